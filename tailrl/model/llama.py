@@ -1,0 +1,225 @@
+"""One implementation of the Llama family (Llama, SmolLM2, Qwen2, Qwen3) with Hugging Face parameter names.
+
+Two forwards share the weights: `forward` runs new tokens of many sequences against a KV cache (prefill,
+decode, or a draft tree in one pass); `forward_full` is the plain causal pass over whole sequences that
+training differentiates through."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .step import StepMeta
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(medium, smoothed, inv_freq)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def _qkv(self, x, cos, sin):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self._qkv(x, cos, sin)  # [T, heads, D]
+        k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [slots, n_kv, capacity, D]
+        k_cache[step.token_slot, :, step.token_pos] = k
+        v_cache[step.token_slot, :, step.token_pos] = v
+        if step.slot_range is not None:
+            s0, s1 = step.slot_range
+            keys, vals = k_cache[s0:s1, :, : step.max_k], v_cache[s0:s1, :, : step.max_k]
+        else:
+            keys, vals = k_cache[step.slots, :, : step.max_k], v_cache[step.slots, :, : step.max_k]
+        B, Q = step.num_seqs, step.max_q
+        if step.pad_idx is None:
+            qp = q.view(B, Q, self.n_heads, self.head_dim)
+        else:
+            qp = q.new_zeros(B * Q, self.n_heads, self.head_dim)
+            qp[step.pad_idx] = q
+            qp = qp.view(B, Q, self.n_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, vals, attn_mask=step.mask, enable_gqa=self.n_kv != self.n_heads
+        )
+        o = o.transpose(1, 2).reshape(B * Q, self.n_heads * self.head_dim)
+        if step.pad_idx is not None:
+            o = o[step.pad_idx]
+        return self.o_proj(o.view(T, -1))
+
+    def forward_full(self, x, cos, sin, attn_mask=None) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)  # [B, L, heads, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=self.n_kv != self.n_heads,
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, step=None, kv=None, attn_mask=None):
+        h = self.input_layernorm(x)
+        if step is not None:
+            x = x + self.self_attn.forward_cached(h, cos, sin, step, kv)
+        else:
+            x = x + self.self_attn.forward_full(h, cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow Hugging Face (model.layers.N.self_attn.q_proj.weight, lm_head.weight, ...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def _run_layers(self, x, positions, hidden_layers, step=None, kv=None, attn_mask=None):
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if step is None:
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        hidden = {}
+        n = len(self.model.layers)
+        if 0 in hidden_layers:
+            hidden[0] = x
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, step, kv, attn_mask)
+            if i + 1 in hidden_layers and i + 1 < n:
+                hidden[i + 1] = x
+        x = self.model.norm(x)
+        if n in hidden_layers:  # like HF output_hidden_states, the last entry is after the final norm
+            hidden[n] = x
+        return x, hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        step: StepMeta,
+        kv,
+        logits_idx: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ):
+        """input_ids [T] packed new tokens of step.num_seqs sequences. Writes their K/V into kv and returns
+        (logits for the tokens in logits_idx, or all, [N, V]; {layer: hidden [T, H]})."""
+        x = self.model.embed_tokens(input_ids)
+        x, hidden = self._run_layers(x, step.positions, hidden_layers, step=step, kv=kv)
+        if logits_idx is not None:
+            x = x[logits_idx]
+        return self.lm_head(x), hidden
+
+    def forward_full(
+        self,
+        input_ids: torch.Tensor,
+        hidden_layers: tuple[int, ...] = (),
+        attn_mask: torch.Tensor | None = None,
+    ):
+        """Plain causal forward over [B, L] (right padding is harmless under a causal mask); differentiable.
+        Returns (logits [B, L, V], {layer: hidden [B, L, H]})."""
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x, hidden = self._run_layers(x, positions, hidden_layers, attn_mask=attn_mask)
+        return self.lm_head(x), hidden
