@@ -1,0 +1,53 @@
+"""Logit warping (temperature, top-k, top-p) and sampling with per-request generators.
+
+`warped_logprobs` defines the distribution a request samples from; speculative verification and the
+trainer's logprob recomputation use the same function, so all three agree exactly. Greedy rows keep the
+unscaled distribution (temperature 1) for their reported logprobs and take its argmax."""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams
+
+
+def warp_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    return temps.to(device), top_k.to(device), top_p.to(device)
+
+
+def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> log-probabilities [N, V] after temperature, then top-k, then top-p (-inf outside)."""
+    x = logits.float() / temps.unsqueeze(-1)
+    V = x.shape[-1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=V), V)
+        kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted = mass_before >= top_p.unsqueeze(-1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def gumbel_noise(generators: list[torch.Generator], vocab: int, device) -> torch.Tensor:
+    u = torch.stack([torch.rand(vocab, generator=g) for g in generators])
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def sample(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """One token per row from warped logprobs [N, V]: Gumbel-max with the row's own generator, or argmax."""
+    if all(greedy):
+        tokens = logprobs.argmax(-1)
+    else:
+        tokens = (logprobs + gumbel_noise(generators, logprobs.shape[-1], logprobs.device)).argmax(-1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=logprobs.device), logprobs.argmax(-1), tokens)
+    lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens.tolist(), lp.tolist()

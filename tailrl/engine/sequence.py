@@ -1,0 +1,82 @@
+"""One sample being generated, and the completion it becomes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # includes the EOS / stop token when generation ended on one
+    text: str
+    logprobs: list[float]  # of each token under the warped distribution it was sampled from
+    finish_reason: str  # "stop" (EOS, stop token or string), "length", or "error"
+    error: str | None = None
+    timing: dict = field(default_factory=dict)  # queue_s, ttft_s, total_s
+    stats: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class Sequence:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    max_tokens: int  # params.max_tokens clamped to the context
+    stop_ids: frozenset[int]
+    t_submit: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_finish: float = 0.0
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens whose K/V are in the cache: the prompt and every output token but the last sampled one."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def reserved_len(self) -> int:
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason, self.error, self.t_finish = reason, error, time.perf_counter()
+
+    def to_completion(self) -> Completion:
+        t0 = self.t_submit
+        return Completion(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=self.output_ids,
+            text=self.text,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "error",
+            error=self.error,
+            timing={
+                "queue_s": max(self.t_admit - t0, 0.0) if self.t_admit else None,
+                "ttft_s": self.t_first - t0 if self.t_first else None,
+                "total_s": self.t_finish - t0 if self.t_finish else None,
+            },
+        )
