@@ -99,22 +99,23 @@ class Engine:
             raise ValueError(f"{what} needs a tokenizer and this model has none; pass token ids")
 
     def _make_group(self, index: int, prompt, params: SamplingParams, t_submit: float) -> list[Sequence]:
-        ids = self.encode(prompt)
+        empty_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) and not m.get("content") for m in prompt)
+        ids = [] if empty_chat else self.encode(prompt)
         if not ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise ValueError("the prompt is empty")
         V = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt {index} has {len(ids)} tokens, longer than the context: max_model_len is "
+                f"the prompt has {len(ids)} tokens, longer than the context: max_model_len is "
                 f"{self.max_model_len}, which leaves no room to generate"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         if not self.kv.fits(params.n, len(ids) + max_tokens):
             raise ValueError(
-                f"prompt {index} needs {params.n} x {len(ids) + max_tokens} tokens of KV cache but the budget holds "
+                f"the prompt needs {params.n} x {len(ids) + max_tokens} tokens of KV cache but the budget holds "
                 f"{self.kv.budget_tokens}; raise kv_cache_gb or lower n / max_tokens"
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))

@@ -104,6 +104,26 @@ def _load_gguf(path: str):
     return cfg, dict(hf.state_dict()), _load_tokenizer(folder, fname)
 
 
+def _gguf_cache_dir(path: str) -> Path | None:
+    """Dequantizing a GGUF takes seconds; the result is kept as an HF folder keyed by file, size and mtime."""
+    if os.environ.get("TAILRL_NO_CACHE"):
+        return None
+    st = os.stat(path)
+    root = Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl"))
+    return root / "gguf" / f"{Path(path).stem}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _write_gguf_cache(folder: Path, hf_cfg: dict, sd: dict, tokenizer) -> None:
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+        model = build_model(cfg, sd)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        save_pretrained(model, tmp, tokenizer)
+        os.replace(tmp, folder)
+    except OSError as e:  # a read-only home must not stop a load
+        log.warning("could not cache the dequantized GGUF in %s: %s", folder, e)
+
+
 def load_model(name_or_path: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
     """Returns (CausalLM, tokenizer or None). Defaults: CUDA + bf16 when present, else CPU + fp32."""
     path = resolve_model_path(name_or_path)
@@ -112,7 +132,13 @@ def load_model(name_or_path: str, device: str | torch.device | None = None, dtyp
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     if path.endswith(".gguf"):
+        cached = _gguf_cache_dir(path)
+        if cached is not None and (cached / "model.safetensors").is_file():
+            path = str(cached)
+    if path.endswith(".gguf"):
         hf_cfg, sd, tokenizer = _load_gguf(path)
+        if cached is not None:
+            _write_gguf_cache(cached, hf_cfg, sd, tokenizer)
     else:
         hf_cfg = json.loads((Path(path) / "config.json").read_text())
         ModelConfig.from_hf(hf_cfg)  # fail on an unsupported architecture before reading weights
