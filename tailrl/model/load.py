@@ -85,6 +85,10 @@ def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], device="c
 def _load_tokenizer(folder: str, gguf_file: str | None = None):
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if gguf_file is None and not any((Path(folder) / f).is_file() for f in files):
+        log.warning("no tokenizer files in %s; prompts must be token ids", folder)
+        return None
     try:
         return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as e:

@@ -1,0 +1,60 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from tailrl.model import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    from transformers import AutoModelForCausalLM
+
+    from tailrl.model import resolve_model_path
+
+    folder, fname = os.path.split(resolve_model_path("smollm2-135m"))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
+
+
+TINY = {
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=24),
+    "llama": dict(model_type="llama", tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def make_tiny_checkpoint(folder, kind: str, seed: int = 0, vocab: int = 96):
+    """A random tiny HF checkpoint saved by transformers itself (so names and layout are HF's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(TINY[kind])
+    model_type = spec.pop("model_type")
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **spec,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases and norms so that every parameter matters to the comparison
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(TINY))
+def tiny_ckpt(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    hf = make_tiny_checkpoint(folder, request.param)
+    return request.param, str(folder), hf

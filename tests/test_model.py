@@ -1,0 +1,154 @@
+import json
+
+import pytest
+import torch
+
+from tailrl.model import UnsupportedModelError, load_model, make_step, save_pretrained
+
+TOL = 1e-4
+
+
+class KV:
+    def __init__(self, cfg, slots=4, cap=256):
+        shape = (slots, cfg.num_key_value_heads, cap, cfg.head_dim)
+        self.k = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+
+
+def prefill_then_decode(model, ids, split, slot=1):
+    """Logits of ids run as a prefill of ids[:split] and then a cached pass over the rest."""
+    kv = KV(model.config)
+    with torch.no_grad():
+        a, _ = model(ids[:split], make_step([0], [split], [slot]), kv)
+        b, _ = model(ids[split:], make_step([split], [len(ids) - split], [slot]), kv)
+    return torch.cat([a, b])
+
+
+def test_smollm_logits_match_transformers(smollm, hf_smollm):
+    model, tok = smollm
+    ids = torch.tensor(tok.encode("The quick brown fox jumps over the lazy dog because it"))
+    with torch.no_grad():
+        ref = hf_smollm(ids[None]).logits[0]
+        full, _ = model.forward_full(ids[None])
+    assert (full[0] - ref).abs().max() < TOL
+    cached = prefill_then_decode(model, ids, len(ids) - 4)
+    assert (cached - ref).abs().max() < TOL
+
+
+def test_smollm_hidden_states_match_transformers(smollm, hf_smollm):
+    model, tok = smollm
+    ids = torch.tensor(tok.encode("Hidden states for the drafter"))
+    with torch.no_grad():
+        ref = hf_smollm(ids[None], output_hidden_states=True).hidden_states
+        _, hidden = model(ids, make_step([0], [len(ids)], [0]), KV(model.config), hidden_layers=(0, 3, 15, 30))
+    for layer in (0, 3, 15, 30):
+        assert (hidden[layer] - ref[layer][0]).abs().max() < TOL, layer
+
+
+def test_tiny_checkpoints_match_transformers(tiny_ckpt):
+    kind, folder, hf = tiny_ckpt
+    model, tok = load_model(folder, device="cpu")
+    assert tok is None
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=g)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        full, _ = model.forward_full(ids[None])
+    assert (full[0] - ref).abs().max() < TOL
+    for split in (1, 17, 39):
+        assert (prefill_then_decode(model, ids, split) - ref).abs().max() < TOL, (kind, split)
+
+
+def test_batched_prefill_of_unequal_lengths_matches_single(tiny_ckpt):
+    _, folder, hf = tiny_ckpt
+    model, _ = load_model(folder, device="cpu")
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 96, (n,), generator=g) for n in (7, 19, 3)]
+    kv = KV(model.config)
+    with torch.no_grad():
+        logits, _ = model(torch.cat(seqs), make_step([0, 0, 0], [7, 19, 3], [2, 0, 3]), kv)
+        out = logits.split([7, 19, 3])
+        for s, o in zip(seqs, out):
+            assert (o - hf(s[None]).logits[0]).abs().max() < TOL
+
+
+def test_tree_mask_equals_each_path(smollm):
+    """A draft tree verified in one pass gives every node the logits of its root-to-node path."""
+    model, tok = smollm
+    prefix = torch.tensor(tok.encode("Numbers: one, two, three,"))
+    # tree over new tokens: 0 -> 1 -> 2 ; 0 -> 3 ; 3 -> 4 ; 1 -> 5
+    tokens = torch.tensor(tok.encode(" four five six seven eight nine")[:6])
+    parent = [-1, 0, 1, 0, 3, 1]
+    depth = [0, 1, 2, 1, 2, 2]
+    n = len(parent)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    P = len(prefix)
+    kv = KV(model.config)
+    with torch.no_grad():
+        model(prefix, make_step([0], [P], [0]), kv)
+        step = make_step([P], [n], [0], positions=torch.tensor(depth) + P, tree_masks=[mask])
+        tree_logits, _ = model(tokens, step, kv)
+        for i in range(n):
+            path = []
+            j = i
+            while j >= 0:
+                path.append(j)
+                j = parent[j]
+            path = path[::-1]
+            ref, _ = model.forward_full(torch.cat([prefix, tokens[path]])[None])
+            assert (tree_logits[i] - ref[0, -1]).abs().max() < TOL, i
+
+
+def test_save_pretrained_roundtrips_through_transformers(smollm, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = smollm
+    save_pretrained(model, tmp_path, tok)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    again, tok2 = load_model(str(tmp_path), device="cpu")
+    ids = torch.tensor(tok2.encode("Round trip"))[None]
+    with torch.no_grad():
+        ours, _ = model.forward_full(ids)
+        assert (hf(ids).logits - ours).abs().max() < TOL
+        assert (again.forward_full(ids)[0] - ours).abs().max() == 0
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    from tests.conftest import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(tmp_path / "a", "qwen2")
+    hf.save_pretrained(tmp_path / "b", max_shard_size="100KB")
+    assert (tmp_path / "b" / "model.safetensors.index.json").is_file()
+    a, _ = load_model(str(tmp_path / "a"), device="cpu")
+    b, _ = load_model(str(tmp_path / "b"), device="cpu")
+    ids = torch.arange(10)[None]
+    with torch.no_grad():
+        assert torch.equal(a.forward_full(ids)[0], b.forward_full(ids)[0])
+
+
+def test_unknown_model_path_names_it():
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        load_model("no/such/model")
+
+
+def test_unsupported_architecture_names_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(tmp_path))
+
+
+def test_mismatched_weights_name_the_missing_keys(tmp_path):
+    from tests.conftest import make_tiny_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint(tmp_path, "qwen2")
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(str(tmp_path))
