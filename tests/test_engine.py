@@ -1,0 +1,147 @@
+import pytest
+import torch
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.engine.sampler import warp_tensors, warped_logprobs
+
+CHATS = [
+    [{"role": "user", "content": "What is 12 times 7?"}],
+    [{"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Write one sentence about rivers."}],
+    [{"role": "user", "content": "Count from one to ten."}],
+]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm):
+    model, tok = smollm
+    return Engine(model, tok, EngineConfig(kv_cache_gb=1.0))
+
+
+def test_greedy_equals_transformers_generate(engine, hf_smollm):
+    outs = engine.generate(CHATS[:3], SamplingParams(temperature=0, max_tokens=24))
+    for prompt, out in zip(CHATS[:3], outs):
+        ids = engine.encode(prompt)
+        ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=engine.tokenizer.eos_token_id, pad_token_id=0)[0, len(ids):]
+        assert out.token_ids == ref.tolist()
+
+
+def test_continuous_batching_matches_running_alone(smollm):
+    model, tok = smollm
+    # max_num_seqs=2 forces requests to join as others leave; unequal max_tokens make them leave at different steps
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, max_num_seqs=2))
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (5, 17, 9, 13)]
+    together = eng.generate(CHATS, params)
+    assert max(eng.last_stats.batch_sizes) == 2
+    for prompt, p, out in zip(CHATS, params, together):
+        alone = eng.generate([prompt], p)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_sampled_logprobs_equal_full_forward_recompute(engine):
+    model = engine.model
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=20, n=2, seed=3)
+    outs = engine.generate(CHATS[:2], params)
+    for out in outs:
+        ids = torch.tensor(out.prompt_token_ids + out.token_ids)
+        with torch.no_grad():
+            logits, _ = model.forward_full(ids[None])
+        P = len(out.prompt_token_ids)
+        rows = logits[0, P - 1 : len(ids) - 1]
+        lp = warped_logprobs(rows, *warp_tensors([params] * len(rows), "cpu"))
+        recomputed = lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+        assert torch.isfinite(recomputed).all()
+        assert recomputed.tolist() == pytest.approx(out.logprobs, abs=1e-4)
+
+
+def test_n_samples_share_prefill_and_follow_their_seeds(engine):
+    group = engine.generate([CHATS[2]], SamplingParams(n=3, seed=11, max_tokens=12))
+    assert len({tuple(c.token_ids) for c in group}) > 1  # the samples are independent
+    for j, c in enumerate(group):
+        alone = engine.generate([CHATS[2]], SamplingParams(n=1, seed=11 + j, max_tokens=12))[0]
+        assert c.sample_index == j and c.token_ids == alone.token_ids
+
+
+def test_same_seed_same_sample_batched_or_alone(engine):
+    p = SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    batched = engine.generate(CHATS, p)
+    alone = engine.generate([CHATS[1]], p)[0]
+    assert batched[1].token_ids == alone.token_ids
+
+
+def test_stop_string_and_stop_reason(engine):
+    free = engine.generate([CHATS[3]], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert "," in free.text or " " in free.text
+    stop = free.text.split()[1]
+    out = engine.generate([CHATS[3]], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert len(out.token_ids) < len(free.token_ids)
+    assert free.text.startswith(out.text)
+
+
+def test_eos_and_length_finish_reasons(engine):
+    short = engine.generate([CHATS[0]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+    full = engine.generate([CHATS[0]], SamplingParams(temperature=0, max_tokens=200))[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] == engine.tokenizer.eos_token_id
+
+
+def test_kv_budget_bounds_admission_and_memory(smollm):
+    model, tok = smollm
+    per_token = 2 * 30 * 3 * 64 * 4
+    budget = 3 * 200 * per_token  # room for three sequences of at most 200 tokens
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=budget / 2**30))
+    params = SamplingParams(temperature=0, max_tokens=200 - 40)
+    outs = eng.generate(CHATS, params)
+    assert max(eng.last_stats.batch_sizes) <= 3
+    assert eng.last_stats.peak_kv_bytes <= budget
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    big = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in big]
+
+
+def test_a_request_that_can_never_fit_the_budget_fails_alone(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=300 * 2 * 30 * 3 * 64 * 4 / 2**30))
+    outs = eng.generate(CHATS[:2], [SamplingParams(temperature=0, max_tokens=8), SamplingParams(n=4, max_tokens=250)])
+    assert outs[0].finish_reason in ("stop", "length")
+    assert all(o.finish_reason == "error" and "KV cache" in o.error for o in outs[1:])
+
+
+def test_bad_requests_fail_alone_and_others_finish(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, max_model_len=64))
+    long_prompt = "word " * 100
+    prompts = [CHATS[0], long_prompt, "", [1, 2, 10**6], 3.5, CHATS[1]]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    by_prompt = {o.prompt_index: o for o in outs}
+    assert "longer than the context" in by_prompt[1].error and "64" in by_prompt[1].error
+    assert "empty" in by_prompt[2].error
+    assert "outside the vocabulary" in by_prompt[3].error
+    assert "text, chat messages or token ids" in by_prompt[4].error
+    for i in (1, 2, 3, 4):
+        assert by_prompt[i].finish_reason == "error" and by_prompt[i].token_ids == []
+    good = eng.generate([CHATS[0], CHATS[1]], SamplingParams(temperature=0, max_tokens=8))
+    assert by_prompt[0].token_ids == good[0].token_ids and by_prompt[5].token_ids == good[1].token_ids
+
+
+def test_prompt_near_the_context_is_clamped_to_fit(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, max_model_len=40))
+    ids = tok.encode("one two three four five six seven eight nine ten eleven twelve thirteen fourteen")
+    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 40
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),
+                                         ("top_p", 1.5), ("top_k", -2), ("max_tokens", 0), ("n", 0)])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_invalid_engine_config_names_the_field():
+    with pytest.raises(ValueError, match="kv_cache_gb"):
+        EngineConfig(kv_cache_gb=0)
