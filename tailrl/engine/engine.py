@@ -11,6 +11,11 @@ import torch
 
 from ..model.llama import CausalLM
 from ..model.step import make_step
+from ..spec.config import SpecConfig
+from ..spec.drafters import make_drafters
+from ..spec.selector import OFF, Arm, Selector, batch_bucket
+from ..spec.tree import DraftTree
+from ..spec.verify import verify_tree
 from .kv_cache import KVCache
 from .sampler import sample, warp_tensors, warped_logprobs
 from .sampling import SamplingParams
@@ -27,8 +32,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096
     seed: int = 0
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
     def __post_init__(self):
+        if isinstance(self.spec, dict):
+            self.spec = SpecConfig(**self.spec)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
@@ -50,10 +58,35 @@ class GenerateStats:
     generated_tokens: int = 0
     peak_kv_bytes: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # decode batch size -> steps
+    draft_s: float = 0.0  # proposing drafts
+    forward_s: float = 0.0  # decode / verification forwards
+    verify_s: float = 0.0  # acceptance, KV compaction, bookkeeping
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> seq_steps, proposals, drafted, accepted
+    choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
+    tail_tokens: int = 0  # decode tokens and seconds while <= 4 sequences run (the long tail)
+    tail_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def tail_tokens_per_s(self) -> float:
+        return self.tail_tokens / self.tail_s if self.tail_s else 0.0
+
+    def accept_length(self, drafter: str) -> float:
+        """Mean tokens emitted per sequence per step when the drafter was chosen (1 = no gain)."""
+        d = self.drafters.get(drafter)
+        return (d["seq_steps"] + d["accepted"]) / d["seq_steps"] if d and d["seq_steps"] else 0.0
+
+    def summary(self) -> dict:
+        out = {"tokens": self.generated_tokens, "seconds": round(self.total_s, 3), "tokens_per_s": round(self.tokens_per_s, 2),
+               "tail_tokens_per_s": round(self.tail_tokens_per_s, 2), "draft_s": round(self.draft_s, 3),
+               "forward_s": round(self.forward_s, 3), "verify_s": round(self.verify_s, 3), "choices": self.choices}
+        for name, d in self.drafters.items():
+            out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
+            out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
+        return out
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -78,6 +111,10 @@ class Engine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.rng = torch.Generator().manual_seed(self.config.seed)
         self.last_stats = GenerateStats()
+        spec = self.config.spec
+        self.drafters = make_drafters(spec)  # their history outlives generate calls: one call = one RL step
+        self.selector = Selector(spec) if spec.mode != "off" else None
+        self._shadow_cursor = 0
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -172,6 +209,8 @@ class Engine:
                 bar.set_postfix(tok_s=f"{stats.generated_tokens / (time.perf_counter() - t0):.1f}", running=len(sched.running))
         if bar is not None:
             bar.close()
+        for d in self.drafters.values():
+            d.end_step()
         stats.total_s = time.perf_counter() - t0
         return [s.to_completion() for s in all_seqs]
 
@@ -190,39 +229,182 @@ class Engine:
             for s in g:
                 s.t_admit = t
         rows = torch.repeat_interleave(logits, torch.tensor([len(g) for g in groups], device=self.device), dim=0)
-        self._sample_and_append([s for g in groups for s in g], rows)
+        seqs = [s for g in groups for s in g]
+        self._sample_and_append(seqs, rows)
+        for s in seqs:
+            s.spec_depth = self.config.spec.init_depth
+            for d in self.drafters.values():
+                d.start(s)
         stats.prefill_steps += 1
         stats.prefill_s += time.perf_counter() - t
 
     def _decode(self, running: list[Sequence], stats: GenerateStats) -> None:
-        t = time.perf_counter()
+        """One decode step for every running sequence; with speculation, each verifies its draft tree in the
+        same forward and emits 1 + accepted tokens."""
+        t0 = time.perf_counter()
         B = len(running)
+        arm = self.selector.choose(B) if self.selector else OFF
+        trees = self._propose(running, arm) if arm != OFF else [None] * B
+        t1 = time.perf_counter()
         cache_lens = [s.cache_len for s in running]
-        self.kv.ensure(B, max(cache_lens) + 1)
-        step = make_step(cache_lens, [1] * B, list(range(B)), self.device)
-        ids = torch.tensor([s.output_ids[-1] for s in running], device=self.device)
-        logits, _ = self.model(ids, step, self.kv)
-        self._sample_and_append(running, logits)
+        q_lens = [1 + len(t) if t else 1 for t in trees]
+        self.kv.ensure(B, max(c + q for c, q in zip(cache_lens, q_lens)))
+        ids, positions = [], []
+        for s, t, c in zip(running, trees, cache_lens):
+            ids.append(s.output_ids[-1])
+            positions.append(c)
+            if t:
+                ids.extend(t.tokens)
+                positions.extend(c + d for d in t.depths())
+        any_tree = any(trees)
+        step = make_step(cache_lens, q_lens, list(range(B)), self.device,
+                         positions=torch.tensor(positions) if any_tree else None,
+                         tree_masks=[t.attention_mask() if t else None for t in trees] if any_tree else None)
+        logits, _ = self.model(torch.tensor(ids, device=self.device), step, self.kv)
+        t2 = time.perf_counter()
+        emitted = self._sample_and_append(running, logits) if not any_tree else self._verify(running, trees, logits, cache_lens, q_lens)
+        t3 = time.perf_counter()
+        drafted = sum(len(t) for t in trees if t)
+        if self.selector is not None:
+            self.selector.record(arm, B, len(ids), t2 - t1, t3 - t0, emitted, drafted, t1 - t0)
+            self._shadow_drafts(running, arm)
         stats.decode_steps += 1
-        stats.decode_s += time.perf_counter() - t
+        stats.decode_s += t3 - t0
+        stats.draft_s += t1 - t0
+        stats.forward_s += t2 - t1
+        stats.verify_s += t3 - t2
         stats.batch_sizes[B] = stats.batch_sizes.get(B, 0) + 1
+        if B <= 4:
+            stats.tail_tokens += emitted
+            stats.tail_s += t3 - t0
+        if self.selector is not None:
+            counts = stats.choices.setdefault(batch_bucket(B), {})
+            counts[str(arm)] = counts.get(str(arm), 0) + 1
+        if arm != OFF:
+            d = stats.drafters.setdefault(arm.drafter, {"seq_steps": 0, "proposals": 0, "drafted": 0, "accepted": 0})
+            d["seq_steps"] += B
+            d["proposals"] += sum(1 for t in trees if t)
+            d["drafted"] += drafted
+            d["accepted"] += emitted - B
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _propose(self, running: list[Sequence], arm: Arm) -> list[DraftTree | None]:
+        drafter = self.drafters[arm.drafter]
+        V = self.model.config.vocab_size
+        trees: list[DraftTree | None] = []
+        for s in running:
+            room = s.max_tokens - len(s.output_ids) - 1  # never draft past max_tokens (or the reserved KV)
+            budget, depth = min(arm.budget, room), min(s.spec_depth, room)
+            tree = None
+            if budget > 0 and depth > 0:
+                try:
+                    tree = drafter.propose(s, budget, depth)
+                    if tree is not None:
+                        tree.validate(V)
+                except Exception as e:  # a drafter failing on one sequence costs it its draft, nothing else
+                    log.warning("drafter %s failed on request %d: %s", arm.drafter, s.prompt_index, e)
+                    tree = None
+            trees.append(tree)
+        return trees
+
+    def _shadow_drafts(self, running: list[Sequence], arm: Arm, per_step: int = 8) -> None:
+        """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
+        draft path per drafter that is scored against the tokens they emit next."""
+        others = [name for name in self.drafters if name != arm.drafter]
+        if not others:
+            return
+        max_budget = max(self.config.spec.budgets)
+        start = self._shadow_cursor % len(running)
+        self._shadow_cursor += per_step
+        for s in (running[start:] + running[:start])[:per_step]:
+            if s.finished:
+                continue
+            for name in others:
+                pending = s.spec.get(("shadow", name))
+                if pending is not None:
+                    at, path = pending
+                    got = s.output_ids[at:]
+                    m = 0
+                    while m < min(len(path), len(got)) and path[m] == got[m]:
+                        m += 1
+                    if m < min(len(path), len(got)) or len(got) >= len(path):
+                        self.selector.record_shadow(name, m, len(path))
+                        pending = None
+                if pending is None:
+                    try:
+                        tree = self.drafters[name].propose(s, max_budget, self.config.spec.max_depth)
+                    except Exception:
+                        tree = None
+                    path = tree.top_path() if tree else []
+                    if path:
+                        s.spec[("shadow", name)] = (len(s.output_ids), path)
+                    else:
+                        s.spec.pop(("shadow", name), None)
+                        self.selector.record_shadow(name, 0, 0)
+
+    def _verify(self, running, trees, logits, cache_lens, q_lens) -> int:
+        params = [s.params for s, q in zip(running, q_lens) for _ in range(q)]
+        logp = warped_logprobs(logits, *warp_tensors(params, self.device))
+        emitted, offset = 0, 0
+        spec = self.config.spec
+        for s, tree, c, q in zip(running, trees, cache_lens, q_lens):
+            rows = logp[offset : offset + q]
+            offset += q
+            s.decode_steps += 1
+            if tree is None:
+                verdict_tokens, verdict_lps, accepted = *self._draw_one(s, rows[0]), []
+            else:
+                v = verify_tree(tree, rows, s.params.greedy, s.generator)
+                verdict_tokens, verdict_lps, accepted = v.tokens, v.logprobs, v.accepted_nodes
+                src = [c + 1 + n for n in accepted]
+                dst = list(range(c + 1, c + 1 + len(accepted)))
+                if src != dst:  # keep only the accepted path, in order, right after the cache
+                    self.kv.move(s.slot, src, dst)
+                s.drafted += len(tree)
+                s.accepted += len(accepted)
+                full = bool(accepted) and not tree.children(accepted[-1])
+                s.spec_depth = min(2 * s.spec_depth, spec.max_depth) if full else max(s.spec_depth // 2, spec.min_depth)
+            emitted += self._append(s, verdict_tokens, verdict_lps)
+        return emitted
+
+    def _draw_one(self, s: Sequence, row: torch.Tensor) -> tuple[list[int], list[float]]:
+        tokens, lps = sample(row[None], [s.params.greedy], [s.generator])
+        return tokens, lps
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
         params = [s.params for s in seqs]
         logprobs = warped_logprobs(logits, *warp_tensors(params, self.device))
         tokens, lps = sample(logprobs, [p.greedy for p in params], [s.generator for s in seqs])
-        now = time.perf_counter()
+        emitted = 0
         for s, tok, lp in zip(seqs, tokens, lps):
+            if s.output_ids:
+                s.decode_steps += 1
+            emitted += self._append(s, [tok], [lp])
+        return emitted
+
+    def _append(self, s: Sequence, tokens: list[int], lps: list[float]) -> int:
+        """Appends emitted tokens up to the first that finishes the sequence; tells the drafters."""
+        now = time.perf_counter()
+        n = 0
+        first = not s.output_ids
+        for tok, lp in zip(tokens, lps):
             if not s.output_ids:
                 s.t_first = now
             s.output_ids.append(tok)
             s.logprobs.append(lp)
-            self.last_stats.generated_tokens += 1
+            n += 1
             try:
                 self._check_finish(s, tok)
             except Exception as e:  # one request's failure (say, detokenizing) must not stop the batch
                 log.warning("request %d sample %d failed: %s", s.prompt_index, s.sample_index, e)
                 s.finish("error", f"{type(e).__name__}: {e}")
+            if s.finished:
+                break
+        self.last_stats.generated_tokens += n
+        if not first:
+            s.decode_tokens += n
+            for d in self.drafters.values():
+                d.accept(s, s.output_ids[-n:])
+        return n
 
     def _check_finish(self, s: Sequence, tok: int) -> None:
         if tok in s.stop_ids:

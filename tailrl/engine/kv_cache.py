@@ -52,5 +52,13 @@ class KVCache:
             for t in store:
                 t[dst, :, dst_offset : dst_offset + length] = t[src, :, src_offset : src_offset + length]
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Moves tokens within a slot (the accepted path of a draft tree to its final positions)."""
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for store in (self.k, self.v):
+            for t in store:
+                t[slot, :, dst_t] = t[slot, :, src_t]
+
     def allocated_bytes(self) -> int:
         return self.slots * self.capacity * self.bytes_per_token

@@ -46,6 +46,12 @@ class Sequence:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_finish: float = 0.0
+    spec: dict = field(default_factory=dict)  # drafter state
+    spec_depth: int = 0  # adaptive per-request draft depth
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def cache_len(self) -> int:
@@ -78,5 +84,11 @@ class Sequence:
                 "queue_s": max(self.t_admit - t0, 0.0) if self.t_admit else None,
                 "ttft_s": self.t_first - t0 if self.t_first else None,
                 "total_s": self.t_finish - t0 if self.t_finish else None,
+            },
+            stats={
+                "decode_steps": self.decode_steps,
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "accept_length": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
             },
         )

@@ -1,0 +1,47 @@
+"""Speculative decoding settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("off", "auto", "history", "ngram")
+
+
+@dataclass
+class SpecConfig:
+    mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram (always that drafter)
+    budgets: tuple[int, ...] = (2, 4, 8, 16)  # draft tokens per sequence the selector chooses among
+    max_depth: int = 16  # per-request adaptive draft depth: doubles on full acceptance, halves on rejection
+    init_depth: int = 4
+    min_depth: int = 2
+    min_prob: float = 0.1  # stop drafting where the estimated probability of a path falls below this
+    min_match: int = 2  # history: shortest suffix match worth drafting from
+    match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset
+    match_offset: int = 1
+    max_match: int = 32
+    history_epochs: int = 4  # keep the responses of the last K epochs per prompt
+    max_prompts: int = 100_000  # history index: least recently used prompts beyond this are evicted
+    epsilon: float = 0.05  # selector exploration per batch-size bucket
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"unknown spec mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        self.budgets = tuple(self.budgets)
+        if not self.budgets or any(not isinstance(b, int) or b < 1 for b in self.budgets):
+            raise ValueError(f"spec budgets={self.budgets!r}: each draft budget must be an integer >= 1")
+        if not 1 <= self.min_depth <= self.init_depth <= self.max_depth:
+            raise ValueError(f"spec depths must satisfy 1 <= min_depth ({self.min_depth}) <= init_depth "
+                             f"({self.init_depth}) <= max_depth ({self.max_depth})")
+        if not 0 <= self.min_prob < 1:
+            raise ValueError(f"spec min_prob={self.min_prob} must be in [0, 1)")
+        if self.min_match < 1 or self.max_match < self.min_match:
+            raise ValueError(f"spec min_match={self.min_match} must be >= 1 and <= max_match={self.max_match}")
+        if self.history_epochs < 1:
+            raise ValueError(f"spec history_epochs={self.history_epochs} must be >= 1")
+        if not 0 <= self.epsilon <= 1:
+            raise ValueError(f"spec epsilon={self.epsilon} must be in [0, 1]")
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return {"off": (), "auto": ("history", "ngram"), "history": ("history",), "ngram": ("ngram",)}[self.mode]

@@ -1,0 +1,135 @@
+"""Per-batch choice of speculation strategy: off, or a drafter with a draft budget.
+
+Expected throughput of an arm at batch size B (RLHFSpec-style cost model):
+    B * (1 + accepted per sequence-step) / (T_forward(B * (1 + drafted per sequence)) + B * draft cost)
+with T_forward measured online over every forward the engine runs (time against tokens in the pass) and
+acceptance and draft size tracked per arm. On top, TLT's bucketed epsilon-greedy bandit: per batch-size
+bucket, an arm with enough observations is scored by its measured median reward (tokens / s) over a window,
+and with probability epsilon a random arm is tried, which also keeps the cost model's table filled."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from .config import SpecConfig
+
+
+@dataclass(frozen=True)
+class Arm:
+    drafter: str  # "" = off
+    budget: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.drafter}:{self.budget}" if self.drafter else "off"
+
+
+OFF = Arm("")
+
+
+def batch_bucket(B: int) -> int:
+    return max(B - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | 9-16 | ...
+
+
+class CostModel:
+    """Seconds of one forward as a function of the tokens in it: EMA per geometric bucket, interpolated."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.table: dict[int, list[float]] = {}  # bucket -> [mean tokens, mean seconds]
+
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return tokens if tokens <= 8 else 8 + round(math.log(tokens / 8) / math.log(1.25))
+
+    def record(self, tokens: int, seconds: float) -> None:
+        b = self._bucket(tokens)
+        cell = self.table.get(b)
+        if cell is None:
+            self.table[b] = [float(tokens), seconds]
+        else:
+            cell[0] += self.alpha * (tokens - cell[0])
+            cell[1] += self.alpha * (seconds - cell[1])
+
+    def predict(self, tokens: float) -> float | None:
+        if not self.table:
+            return None
+        pts = sorted(self.table.values())
+        lo = [p for p in pts if p[0] <= tokens]
+        hi = [p for p in pts if p[0] > tokens]
+        if lo and hi:
+            (t0, s0), (t1, s1) = lo[-1], hi[0]
+            return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        if lo:  # beyond the largest measured pass: no cheaper than linear growth from it
+            t0, s0 = lo[-1]
+            return s0 * tokens / t0
+        return hi[0][1]  # below the smallest: at least as cheap as it (optimistic; measuring corrects it)
+
+
+class Selector:
+    def __init__(self, cfg: SpecConfig, alpha: float = 0.2):
+        self.cfg = cfg
+        self.drafter_arms = [Arm(d, b) for d in cfg.drafters for b in cfg.budgets]
+        self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
+        self.alpha = alpha
+        self.cost = CostModel()
+        self.accept = {a: float(a.budget) / 2 for a in self.drafter_arms}  # optimistic until measured
+        self.drafted = {a: float(a.budget) for a in self.drafter_arms}
+        self.draft_cost = {d: 0.0 for d in cfg.drafters}  # seconds per sequence proposal
+        self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
+        self.rng = random.Random(cfg.seed)
+
+    def predict(self, arm: Arm, B: int) -> float | None:
+        """Expected tokens per second for B sequences."""
+        if arm == OFF:
+            t = self.cost.predict(B)
+            return B / t if t else None
+        t = self.cost.predict(B * (1 + self.drafted[arm]))
+        if t is None:
+            return None
+        return B * (1 + self.accept[arm]) / (t + B * self.draft_cost[arm.drafter])
+
+    def score(self, arm: Arm, B: int) -> float:
+        p = self.predict(arm, B)
+        if p is None:
+            return float("inf")  # nothing measured yet: try it
+        return p * self.correction.get((batch_bucket(B), arm), 1.0)
+
+    def choose(self, B: int) -> Arm:
+        if len(self.arms) == 1:
+            return self.arms[0]
+        scores = {a: self.score(a, B) for a in self.arms}
+        best = max(scores.values())
+        if self.rng.random() < self.cfg.epsilon:  # explore among arms that are not hopeless
+            return self.rng.choice([a for a, v in scores.items() if v >= 0.7 * best])
+        return max(scores, key=scores.get)
+
+    def _ema(self, table: dict, key, value: float) -> None:
+        table[key] += self.alpha * (value - table[key])
+
+    def record(self, arm: Arm, B: int, tokens_in_pass: int, forward_s: float, step_s: float,
+               emitted: int, drafted: int, draft_s: float) -> None:
+        """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes."""
+        predicted = self.predict(arm, B)
+        self.cost.record(tokens_in_pass, forward_s)
+        if predicted:
+            key = (batch_bucket(B), arm)
+            ratio = min(max((emitted / step_s) / predicted, 0.5), 2.0)
+            self.correction[key] = self.correction.get(key, 1.0) + self.alpha * (ratio - self.correction.get(key, 1.0))
+        if arm != OFF:
+            self._ema(self.accept, arm, (emitted - B) / B)
+            self._ema(self.drafted, arm, drafted / B)
+            self._ema(self.draft_cost, arm.drafter, draft_s / B)
+
+    def record_forward(self, tokens_in_pass: int, forward_s: float) -> None:
+        self.cost.record(tokens_in_pass, forward_s)
+
+    def record_shadow(self, drafter: str, accepted: int, drafted: int) -> None:
+        """A draft that was not verified, compared with the tokens the sequence went on to emit: for a
+        deterministic draft its matched length is distributed as its accepted length would have been."""
+        for arm in self.drafter_arms:
+            if arm.drafter == drafter:
+                self._ema(self.accept, arm, min(accepted, arm.budget))
+                self._ema(self.drafted, arm, min(drafted, arm.budget))

@@ -1,0 +1,113 @@
+"""Token streams indexed by their n-grams, and draft trees built from what followed a matched suffix.
+
+This is SuffixDecoding's idea computed at query time: find the longest suffix of the current context that
+occurs in the streams (an n-gram hash lookup, then extended backwards per occurrence), gather what followed
+each occurrence, count the continuations in a trie and expand it best-first by estimated probability
+(count(child) / count(parent), multiplied along the path) until the budget or the probability floor."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from .tree import DraftTree
+
+
+class TokenIndex:
+    def __init__(self, max_n: int = 3, max_occurrences: int = 256):
+        self.max_n = max_n
+        self.max_occurrences = max_occurrences
+        self.streams: list[list[int]] = []
+        self.grams: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (stream, position after it)
+
+    def add_stream(self, tokens: list[int]) -> int:
+        self.streams.append([])
+        sid = len(self.streams) - 1
+        self.extend(sid, tokens)
+        return sid
+
+    def extend(self, sid: int, tokens: list[int]) -> None:
+        s = self.streams[sid]
+        grams = self.grams
+        for t in tokens:
+            s.append(t)
+            end = len(s)
+            for n in range(1, min(self.max_n, end) + 1):
+                key = tuple(s[end - n : end])
+                occ = grams.get(key)
+                if occ is None:
+                    grams[key] = [(sid, end)]
+                else:
+                    occ.append((sid, end))
+                    if len(occ) > 2 * self.max_occurrences:  # keep the most recent; bounded work per query
+                        del occ[: self.max_occurrences]
+
+    def match(self, context: list[int], max_match: int = 32) -> tuple[int, list[tuple[int, int]]]:
+        """Longest match length m of a suffix of context and the occurrences (stream, position after) that have it
+        and a continuation."""
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            occ = self.grams.get(tuple(context[len(context) - n :]))
+            if not occ:
+                continue
+            best, found = 0, []
+            for sid, pos in occ[-self.max_occurrences :]:
+                s = self.streams[sid]
+                if pos >= len(s):
+                    continue  # the context itself, or a stream with nothing after the match yet
+                m = n
+                while m < max_match and m < pos and m < len(context) and s[pos - m - 1] == context[-m - 1]:
+                    m += 1
+                if m > best:
+                    best, found = m, [(sid, pos)]
+                elif m == best:
+                    found.append((sid, pos))
+            if found:
+                return best, found
+        return 0, []
+
+
+@dataclass
+class TreeShape:
+    budget: int  # most nodes
+    max_depth: int
+    min_prob: float = 0.1  # stop expanding below this estimated probability
+    chain: bool = False  # follow only the most frequent child
+
+
+def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], shape: TreeShape, drafter: str) -> DraftTree | None:
+    """Best-first tree over the continuations that follow the occurrences."""
+    if shape.budget < 1 or shape.max_depth < 1 or not occurrences:
+        return None
+    # trie of continuations: node -> {token: [count, child]}
+    root: dict = {}
+    for sid, pos in occurrences:
+        node = root
+        for t in streams[sid][pos : pos + shape.max_depth]:
+            entry = node.get(t)
+            if entry is None:
+                entry = node[t] = [0, {}]
+            entry[0] += 1
+            node = entry[1]
+    tokens, parents = [], []
+    total = len(occurrences)
+    heap = [(-c / total, k, t, -1, child) for k, (t, (c, child)) in enumerate(_ranked(root))]
+    if shape.chain:
+        heap = heap[:1]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while heap and len(tokens) < shape.budget:
+        neg_p, _, tok, parent, children = heapq.heappop(heap)
+        if -neg_p < shape.min_prob:
+            break
+        tokens.append(tok)
+        parents.append(parent)
+        me = len(tokens) - 1
+        parent_count = sum(c for c, _ in children.values())
+        for t, (c, child) in _ranked(children)[: 1 if shape.chain else None]:
+            heapq.heappush(heap, (neg_p * c / parent_count, counter, t, me, child))
+            counter += 1
+    return DraftTree(tokens, parents, drafter=drafter) if tokens else None
+
+
+def _ranked(children: dict) -> list:
+    return sorted(children.items(), key=lambda kv: -kv[1][0])
