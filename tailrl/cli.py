@@ -44,11 +44,13 @@ def read_prompts(path: str) -> list[tuple[object, str | None]]:
 def cmd_generate(args) -> int:
     from .engine import Engine, EngineConfig, SamplingParams
     from .model import load_model
+    from .spec.config import SpecConfig
 
     try:
         sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
-        config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0)
+        config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
+                              spec=SpecConfig(mode=args.spec, seed=args.seed or 0))
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
         model, tokenizer = load_model(args.model, device=args.device)
     except (ValueError, FileNotFoundError) as e:
@@ -57,6 +59,9 @@ def cmd_generate(args) -> int:
     chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) and p else p for p, err in rows if err is None]
     engine = Engine(model, tokenizer, config)
+    for epoch in range(args.epochs - 1):  # earlier epochs feed the history drafter, as in RL
+        engine.generate(prompts, sampling, progress=not args.quiet)
+        print(f"epoch {epoch}: {json.dumps(engine.last_stats.summary())}")
     completions = iter(engine.generate(prompts, sampling, progress=not args.quiet))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +74,8 @@ def cmd_generate(args) -> int:
                 else:
                     c = next(completions)
                     rec = {"index": index, "sample": j, "prompt": prompt, "text": c.text, "token_ids": c.token_ids,
-                           "logprobs": c.logprobs, "finish_reason": c.finish_reason, "error": c.error, "timing": c.timing}
+                           "logprobs": c.logprobs, "finish_reason": c.finish_reason, "error": c.error, "timing": c.timing,
+                           "spec": c.stats}
                 if rec["error"] and j == 0:
                     print(f"warning: row {index}: {rec['error']}", file=sys.stderr)
                 counts[rec["finish_reason"]] = counts.get(rec["finish_reason"], 0) + 1
@@ -77,6 +83,8 @@ def cmd_generate(args) -> int:
     st = engine.last_stats
     print(f"{sum(counts.values())} completions ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}), "
           f"{st.generated_tokens} tokens in {st.total_s:.1f}s = {st.tokens_per_s:.1f} tok/s -> {out}")
+    if args.spec != "off":
+        print(f"speculation: {json.dumps(st.summary())}")
     return 0
 
 
@@ -99,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--spec", default="auto", choices=["auto", "off", "history", "ngram"],
+                   help="speculative decoding: auto = the selector decides per batch size")
+    g.add_argument("--epochs", type=int, default=1, help="generate the prompt set this many times (history drafts)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
     return parser

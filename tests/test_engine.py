@@ -105,9 +105,18 @@ def test_kv_budget_bounds_admission_and_memory(smollm):
 def test_a_request_that_can_never_fit_the_budget_fails_alone(smollm):
     model, tok = smollm
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=300 * 2 * 30 * 3 * 64 * 4 / 2**30))
-    outs = eng.generate(CHATS[:2], [SamplingParams(temperature=0, max_tokens=8), SamplingParams(n=4, max_tokens=250)])
+    outs = eng.generate(CHATS[:2], [SamplingParams(temperature=0, max_tokens=8), SamplingParams(n=2, max_tokens=400)])
     assert outs[0].finish_reason in ("stop", "length")
     assert all(o.finish_reason == "error" and "KV cache" in o.error for o in outs[1:])
+
+
+def test_more_samples_than_the_batch_holds_are_chunked(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, max_num_seqs=3))
+    outs = eng.generate([CHATS[0]], SamplingParams(n=7, max_tokens=6, seed=1))
+    assert len(outs) == 7 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert max(eng.last_stats.batch_sizes) <= 3
+    assert [o.sample_index for o in outs] == list(range(7))
 
 
 def test_bad_requests_fail_alone_and_others_finish(smollm):

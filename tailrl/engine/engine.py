@@ -150,10 +150,10 @@ class Engine:
                 f"{self.max_model_len}, which leaves no room to generate"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        if not self.kv.fits(params.n, len(ids) + max_tokens):
+        if not self.kv.fits(1, len(ids) + max_tokens):
             raise ValueError(
-                f"the prompt needs {params.n} x {len(ids) + max_tokens} tokens of KV cache but the budget holds "
-                f"{self.kv.budget_tokens}; raise kv_cache_gb or lower n / max_tokens"
+                f"the prompt needs {len(ids) + max_tokens} tokens of KV cache per sample but the budget holds "
+                f"{self.kv.budget_tokens}; raise kv_cache_gb or lower max_tokens"
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
         group = []
@@ -180,7 +180,10 @@ class Engine:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 group = self._make_group(i, prompt, p, t0)
-                sched.add(group)
+                # samples of a prompt share a prefill in chunks that fit the batch and the KV budget at once
+                chunk = min(self.config.max_num_seqs, max(self.kv.budget_tokens // group[0].reserved_len, 1))
+                for k in range(0, len(group), chunk):
+                    sched.add(group[k : k + chunk])
             except ValueError as e:
                 log.warning("request %d rejected: %s", i, e)
                 group = [Sequence(i, j, [], p, self.rng, 0, frozenset(), t0) for j in range(p.n)]
@@ -222,7 +225,10 @@ class Engine:
         step = make_step([0] * len(leaders), lens, [s.slot for s in leaders], self.device)
         ids = torch.tensor([t for s in leaders for t in s.prompt_ids], device=self.device)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        t_fwd = time.perf_counter()
         logits, _ = self.model(ids, step, self.kv, logits_idx=last)
+        if self.selector is not None:
+            self.selector.record_forward(len(ids), time.perf_counter() - t_fwd)
         for g, plen in zip(groups, lens):
             for s in g[1:]:  # the n samples of a prompt share its prefill
                 self.kv.copy(g[0].slot, s.slot, plen)

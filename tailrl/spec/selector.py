@@ -75,7 +75,7 @@ class Selector:
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()
-        self.accept = {a: float(a.budget) / 2 for a in self.drafter_arms}  # optimistic until measured
+        self.accept = {a: 0.0 for a in self.drafter_arms}  # until measured (shadow drafts measure it for free)
         self.drafted = {a: float(a.budget) for a in self.drafter_arms}
         self.draft_cost = {d: 0.0 for d in cfg.drafters}  # seconds per sequence proposal
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm

@@ -1,0 +1,197 @@
+import itertools
+
+import pytest
+import torch
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.engine.sampler import warp_tensors, warped_logprobs
+from tailrl.model import load_model
+from tailrl.spec.config import SpecConfig
+from tailrl.spec.drafters import HistoryDrafter, NgramDrafter
+from tailrl.spec.selector import OFF, Selector
+from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
+from tailrl.spec.tree import DraftTree
+from tests.stats import chisquare_pvalue
+
+LOGIT_SCALE = 4.0
+CHATS = [
+    [{"role": "user", "content": "List the first ten prime numbers."}],
+    [{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
+    [{"role": "user", "content": "What is the capital of Japan? Answer in one sentence."}],
+    [{"role": "user", "content": "Spell the word 'banana' letter by letter."}],
+]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@pytest.mark.parametrize("mode", ["history", "ngram", "auto"])
+def test_greedy_with_speculation_equals_without(smollm, mode):
+    model, tok = smollm
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=mode, epsilon=0.2)))
+    accepted = 0
+    for _ in range(2):  # the second epoch drafts from the first one's history
+        outs = eng.generate(CHATS, params)
+        accepted += sum(o.stats["accepted"] for o in outs)
+        for ref, out in zip(plain, outs):
+            i = first_difference(ref.token_ids, out.token_ids)
+            if i is None:
+                continue
+            # allowed only where the top two logits tie within float noise
+            ids = torch.tensor(ref.prompt_token_ids + ref.token_ids[:i])
+            with torch.no_grad():
+                logits = model.forward_full(ids[None])[0][0, -1]
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) < 1e-5, f"{mode}: token {i} differs without a tie"
+    assert accepted > 0, "speculation never accepted a draft token: the test exercised nothing"
+
+
+@pytest.fixture(scope="module")
+def tiny_peaked(tmp_path_factory):
+    """A tiny random Llama with a 4-token vocabulary and peaked, context-dependent distributions."""
+    from tests.conftest import make_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_v4")
+    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=4)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(LOGIT_SCALE)
+    hf.save_pretrained(folder)
+    model, _ = load_model(str(folder), device="cpu")
+    return model
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams, D: int) -> dict:
+    seqs = list(itertools.product(range(4), repeat=D))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = model.forward_full(ids)[0][:, len(prompt) - 1 : -1]
+    lp = warped_logprobs(logits.reshape(-1, 4), *warp_tensors([params] * (len(seqs) * D), "cpu")).view(len(seqs), D, 4)
+    picked = lp.gather(-1, ids[:, len(prompt) :, None]).squeeze(-1).sum(-1)
+    return {s: float(p) for s, p in zip(seqs, picked.exp())}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)],
+                         ids=["t1.0", "t0.8-k3"])
+def test_sampling_with_speculation_follows_the_policy(tiny_peaked, params):
+    """6000 rollouts per epoch with history drafts (siblings, then the previous epoch) against the exact
+    distribution of 4-token continuations; chi-square at significance 0.001 with a fixed seed."""
+    D, N = 4, 6000
+    prompt = [1, 2, 3, 1]
+    params = SamplingParams(temperature=params.temperature, top_k=params.top_k, max_tokens=D, n=N, seed=0, ignore_eos=True)
+    joint = exact_joint(tiny_peaked, prompt, params, D)
+    assert 0.05 < max(joint.values()) < 0.6  # peaked enough that history drafts get accepted, yet spread
+    eng = Engine(tiny_peaked, None, EngineConfig(kv_cache_gb=0.5, spec=SpecConfig(mode="history", budgets=(2, 3), min_match=1)))
+    for epoch in range(2):
+        params.seed = 1000 * epoch
+        outs = eng.generate([prompt], params)
+        assert sum(o.stats["accepted"] for o in outs) > N // 10, "too few accepted drafts to test anything"
+        counts: dict = {}
+        for o in outs:
+            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        assert chisquare_pvalue(counts, joint) > 1e-3, f"epoch {epoch}: rollouts do not follow the policy"
+
+
+def test_history_drafting_accepts_more_than_one_token_per_step(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history")))
+    params = SamplingParams(temperature=0.7, max_tokens=48, n=2, seed=0)
+    eng.generate(CHATS[:3], params)
+    params.seed = 1
+    outs = eng.generate(CHATS[:3], params)
+    assert eng.last_stats.accept_length("history") > 1.3
+    assert sum(o.stats["accept_length"] > 1 for o in outs) >= 4
+    summary = eng.last_stats.summary()
+    assert summary["accepted/history"] > 0 and "accept_length/history" in summary
+
+
+def test_selector_turns_speculation_off_where_the_cost_model_says_it_loses():
+    sel = Selector(SpecConfig(mode="auto", budgets=(4,), epsilon=0.0))
+    # measured: a forward is flat up to 8 tokens, then linear in tokens (compute-bound at large batch)
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        sel.record_forward(tokens, 0.03 * max(1.0, tokens / 8))
+    for _ in range(30):  # the history drafter gets one extra token per step out of four drafted
+        sel.record_shadow("history", 1, 4)
+        sel.record_shadow("ngram", 0, 4)
+    assert sel.choose(1).drafter == "history"
+    assert sel.choose(64) == OFF
+    # and on again where it pays: in the long tail
+    assert sel.choose(2).drafter == "history"
+
+
+def test_cost_model_interpolates_and_extrapolates_conservatively():
+    sel = Selector(SpecConfig(mode="auto"))
+    sel.record_forward(10, 1.0)
+    sel.record_forward(30, 3.0)
+    assert sel.cost.predict(20) == pytest.approx(2.0)
+    assert sel.cost.predict(60) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(budgets=(0,)), "budget"), (dict(mode="eagle9"), "unknown spec mode"),
+                                      (dict(min_depth=8, init_depth=4), "min_depth"), (dict(history_epochs=0), "history_epochs")])
+def test_spec_config_errors_name_the_problem(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig(**kw)
+
+
+def test_a_failing_or_wrong_drafter_never_changes_a_token(smollm, monkeypatch):
+    model, tok = smollm
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
+
+    def bad_propose(self, seq, budget, depth):
+        if seq.prompt_index == 0:
+            raise RuntimeError("drafter bug")
+        if seq.prompt_index == 1:
+            return DraftTree([10**7], [-1])  # outside the vocabulary: rejected by validation
+        return DraftTree.chain([(t * 7 + 3) % 1000 for t in range(min(budget, depth))])  # wrong tokens
+
+    monkeypatch.setattr(NgramDrafter, "propose", bad_propose)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="ngram")))
+    outs = eng.generate(CHATS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.finish_reason != "error" for o in outs)
+
+
+def test_token_index_finds_longest_match_and_builds_count_tree():
+    idx = TokenIndex(max_n=3)
+    idx.add_stream([5, 1, 2, 3, 4, 9])
+    idx.add_stream([7, 1, 2, 3, 4, 8])
+    idx.add_stream([6, 6, 2, 3, 5, 5])
+    m, occ = idx.match([0, 1, 2, 3])
+    assert m == 3 and sorted(occ) == [(0, 4), (1, 4)]
+    tree = build_tree(idx.streams, occ, TreeShape(budget=8, max_depth=3, min_prob=0.1), "t")
+    assert tree.top_path()[0] == 4 and len(tree.children(0)) == 2  # after 4: 9 or 8, half each
+    m, occ = idx.match([9, 9, 3])  # "3" occurs in all three streams, never after a 9
+    assert m == 1 and len(occ) == 3
+
+
+def test_history_keeps_last_epochs_and_round_trips(tiny_ckpt_v96):
+    model = tiny_ckpt_v96
+    cfg = SpecConfig(mode="history", history_epochs=2)
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=cfg))
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    for epoch in range(3):
+        eng.generate(prompts, SamplingParams(n=2, max_tokens=6, seed=epoch, ignore_eos=True))
+    hist: HistoryDrafter = eng.drafters["history"]
+    state = hist.state_dict()
+    assert len(state["prompts"]) == 2 and all(len(p["epochs"]) == 2 for p in state["prompts"])
+    again = HistoryDrafter(cfg)
+    again.load_state_dict(state)
+    for key, ph in hist.prompts.items():
+        other = again.prompts[key]
+        assert sorted(map(tuple, ph.index.streams)) == sorted(map(tuple, other.index.streams))
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt_v96(tmp_path_factory):
+    from tests.conftest import make_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_v96")
+    make_tiny_checkpoint(folder, "llama", seed=1)
+    return load_model(str(folder), device="cpu")[0]
