@@ -1,5 +1,5 @@
-from .engine import Engine, EngineConfig, GenerateStats
+from .engine import Completions, Engine, EngineConfig, GenerateStats
 from .sampling import SamplingParams
 from .sequence import Completion
 
-__all__ = ["Completion", "Engine", "EngineConfig", "GenerateStats", "SamplingParams"]
+__all__ = ["Completion", "Completions", "Engine", "EngineConfig", "GenerateStats", "SamplingParams"]

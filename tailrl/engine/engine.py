@@ -63,6 +63,7 @@ class GenerateStats:
     verify_s: float = 0.0  # acceptance, KV compaction, bookkeeping
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> seq_steps, proposals, drafted, accepted
     choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
+    by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
     tail_tokens: int = 0  # decode tokens and seconds while <= 4 sequences run (the long tail)
     tail_s: float = 0.0
 
@@ -87,6 +88,12 @@ class GenerateStats:
             out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
             out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
         return out
+
+
+class Completions(list):
+    """The completions of one generate call, with that call's engine statistics in `.stats`."""
+
+    stats: GenerateStats
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -166,7 +173,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False) -> Completions:
         """Returns one Completion per sample, ordered by (prompt, sample). A bad prompt fails alone
         (finish_reason "error" naming the problem); the others finish."""
         sampling = sampling or SamplingParams()
@@ -215,7 +222,9 @@ class Engine:
         for d in self.drafters.values():
             d.end_step()
         stats.total_s = time.perf_counter() - t0
-        return [s.to_completion() for s in all_seqs]
+        result = Completions(s.to_completion() for s in all_seqs)
+        result.stats = stats
+        return result
 
     def _prefill(self, groups: list[list[Sequence]], running: list[Sequence], stats: GenerateStats) -> None:
         t = time.perf_counter()
@@ -280,6 +289,9 @@ class Engine:
         stats.forward_s += t2 - t1
         stats.verify_s += t3 - t2
         stats.batch_sizes[B] = stats.batch_sizes.get(B, 0) + 1
+        cell = stats.by_bucket.setdefault(batch_bucket(B), [0, 0.0])
+        cell[0] += emitted
+        cell[1] += t3 - t0
         if B <= 4:
             stats.tail_tokens += emitted
             stats.tail_s += t3 - t0
@@ -367,6 +379,9 @@ class Engine:
                     self.kv.move(s.slot, src, dst)
                 s.drafted += len(tree)
                 s.accepted += len(accepted)
+                per = s.per_drafter.setdefault(tree.drafter or "?", [0, 0])
+                per[0] += len(tree)
+                per[1] += len(accepted)
                 full = bool(accepted) and not tree.children(accepted[-1])
                 s.spec_depth = min(2 * s.spec_depth, spec.max_depth) if full else max(s.spec_depth // 2, spec.min_depth)
             emitted += self._append(s, verdict_tokens, verdict_lps)

@@ -52,6 +52,7 @@ class Sequence:
     decode_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    per_drafter: dict = field(default_factory=dict)  # drafter -> [drafted, accepted]
 
     @property
     def cache_len(self) -> int:
@@ -90,5 +91,7 @@ class Sequence:
                 "drafted": self.drafted,
                 "accepted": self.accepted,
                 "accept_length": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
+                **{f"drafted/{k}": v[0] for k, v in self.per_drafter.items()},
+                **{f"accepted/{k}": v[1] for k, v in self.per_drafter.items()},
             },
         )

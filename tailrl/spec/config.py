@@ -21,7 +21,7 @@ class SpecConfig:
     max_match: int = 32
     history_epochs: int = 4  # keep the responses of the last K epochs per prompt
     max_prompts: int = 100_000  # history index: least recently used prompts beyond this are evicted
-    epsilon: float = 0.05  # selector exploration per batch-size bucket
+    epsilon: float = 0.02  # selector exploration per batch-size bucket, among arms within 15% of the best
     seed: int = 0
 
     def __post_init__(self):

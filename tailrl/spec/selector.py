@@ -103,7 +103,7 @@ class Selector:
         scores = {a: self.score(a, B) for a in self.arms}
         best = max(scores.values())
         if self.rng.random() < self.cfg.epsilon:  # explore among arms that are not hopeless
-            return self.rng.choice([a for a, v in scores.items() if v >= 0.7 * best])
+            return self.rng.choice([a for a, v in scores.items() if v >= 0.85 * best])
         return max(scores, key=scores.get)
 
     def _ema(self, table: dict, key, value: float) -> None:
