@@ -27,8 +27,8 @@ QUESTIONS = [
     "What is 100 - 37? Give only the number after ####.",
     "Tom has 12 apples and buys 3 bags with 4 apples each. How many apples does he have? Answer after ####.",
     "What is (15 + 9) * 2 - 8? Explain briefly, then answer after ####.",
-    "Explain step by step how to compute 23 * 47 by hand, checking every partial product, then answer after ####.",
-    "List the first 30 square numbers with a one-line note on each, then give their sum after ####.",
+    "A bus carries 40 people. How many buses are needed for 250 people? Explain, then answer after ####.",
+    "List the first 40 square numbers with a one-line note on each, then give their sum after ####.",
 ]
 
 

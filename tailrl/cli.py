@@ -1,4 +1,4 @@
-"""tailrl command line: `tailrl generate` (more subcommands join as they are built)."""
+"""tailrl command line: train | generate | report | data."""
 
 from __future__ import annotations
 
@@ -88,6 +88,52 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .report import make_report
+    from .rl.trainer import train
+
+    try:
+        run_dir = train(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.trainer.report:
+        print(f"report: {make_report(run_dir)} (plots: {run_dir / 'report.png'})")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import make_report
+
+    try:
+        print(f"report: {make_report(args.run_dir)}")
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_data(args) -> int:
+    from .rl.tasks import make_rows, write_rows
+
+    try:
+        rows = make_rows(args.task, args.n, args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_rows(rows, args.out)
+    print(f"{len(rows)} {args.task} rows -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tailrl", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -112,11 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=1, help="generate the prompt set this many times (history drafts)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("train", help="GRPO/DAPO training with speculative rollout (built-in default: SmolLM2 on arithmetic)")
+    t.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.lr=1e-5 rollout.spec.mode=off")
+    t.set_defaults(func=cmd_train)
+    r = sub.add_parser("report", help="(re)build the plots and report of a run folder")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
+    d = sub.add_parser("data", help="generate datasets")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    mk = dsub.add_parser("make", help="write a built-in verifiable task as JSONL")
+    mk.add_argument("task", help="arithmetic | countdown")
+    mk.add_argument("--n", type=int, default=1000)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--out", required=True)
+    mk.set_defaults(func=cmd_data)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) and "=" in args.config:  # `tailrl train key=value ...` without a YAML
+        args.overrides, args.config = [args.config, *args.overrides], None
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

@@ -32,11 +32,14 @@ TINY = {
 }
 
 
+TINY_EXTRA = {"tinychat": dict(model_type="llama", tie_word_embeddings=True)}
+
+
 def make_tiny_checkpoint(folder, kind: str, seed: int = 0, vocab: int = 96):
     """A random tiny HF checkpoint saved by transformers itself (so names and layout are HF's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(TINY[kind])
+    spec = dict(TINY[kind] if kind in TINY else TINY_EXTRA[kind])
     model_type = spec.pop("model_type")
     cfg = AutoConfig.for_model(
         model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -58,3 +61,23 @@ def tiny_ckpt(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
     hf = make_tiny_checkpoint(folder, request.param)
     return request.param, str(folder), hf
+
+
+TINY_WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>", "a", "b", "c", "d", "e",
+              "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "=", "####", "?"]
+
+
+def make_tiny_chat_model(folder, seed: int = 0):
+    """A tiny Llama with a 24-word tokenizer and a chat template: cheap enough to train in a test."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_WORDS)}, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>",
+                                   unk_token="?")
+    fast.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+                          "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+    make_tiny_checkpoint(folder, "tinychat", seed=seed, vocab=len(TINY_WORDS))
+    fast.save_pretrained(folder)
+    return folder

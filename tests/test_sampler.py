@@ -42,15 +42,26 @@ def test_rows_warp_independently():
 def test_gumbel_sampling_follows_the_distribution():
     """Chi-square over 20k draws (fixed seed, significance 0.001): the sampler draws from softmax."""
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
-    g = torch.Generator().manual_seed(0)
     lp = probs.log()[None].expand(20000, -1)
-    tokens, lps = sample(lp, [False] * 20000, [g] * 20000)
+    tokens, lps = sample(lp, [False] * 20000, list(range(20000)), [3] * 20000)  # 20000 requests, one position
     counts = torch.bincount(torch.tensor(tokens), minlength=5).double()
     assert chisquare(counts.numpy(), (probs.double() * 20000).numpy()).pvalue > 1e-3
     assert lps[0] == pytest.approx(math.log(probs[tokens[0]].item()))
 
 
+def test_noise_depends_on_seed_and_position_only():
+    lp = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
+
+    def alone(seed, pos):
+        return sample(lp[[0]], [False], [seed], [pos])[0][0]
+
+    batched, _ = sample(lp, [False] * 4, [7, 7, 8, 7], [0, 1, 0, 0])
+    assert batched[0] == alone(7, 0)  # in a batch or alone: the same token
+    assert len({alone(s, 0) for s in range(40)}) > 5  # seeds differ
+    assert len({alone(7, p) for p in range(40)}) > 5  # positions differ
+
+
 def test_greedy_takes_argmax():
     lp = torch.log_softmax(torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]]), -1)
-    tokens, _ = sample(lp, [True, True], [torch.Generator()] * 2)
+    tokens, _ = sample(lp, [True, True], [0, 1], [0, 0])
     assert tokens == [1, 0]

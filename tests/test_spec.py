@@ -52,6 +52,32 @@ def test_greedy_with_speculation_equals_without(smollm, mode):
     assert accepted > 0, "speculation never accepted a draft token: the test exercised nothing"
 
 
+def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm):
+    """The noise for a token depends only on (seed, position), so deterministic drafts change nothing at all;
+    a difference is allowed only where two perturbed logits tie within float noise, and that is checked."""
+    from tailrl.spec.noise import gumbel, position_generator
+
+    model, tok = smollm
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, n=2, seed=11)
+    plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history", min_match=1)))
+    eng.generate(CHATS, params)  # the first epoch feeds the history of the second
+    outs = eng.generate(CHATS, params)
+    assert sum(o.stats["accepted"] for o in outs) > 0
+    for ref, out in zip(plain, outs):
+        i = first_difference(ref.token_ids, out.token_ids)
+        if i is None:
+            continue
+        ids = torch.tensor(ref.prompt_token_ids + ref.token_ids[:i])
+        with torch.no_grad():
+            logits = model.forward_full(ids[None])[0][0, -1:]
+        lp = warped_logprobs(logits, *warp_tensors([params], "cpu"))[0]
+        seed = params.seed + ref.sample_index
+        perturbed = lp.double() + gumbel(position_generator(seed, i), lp.shape[-1])
+        top2 = torch.topk(perturbed, 2).values
+        assert float(top2[0] - top2[1]) < 1e-4, f"sampled token {i} differs without a tie"
+
+
 @pytest.fixture(scope="module")
 def tiny_peaked(tmp_path_factory):
     """A tiny random Llama with a 4-token vocabulary and peaked, context-dependent distributions."""

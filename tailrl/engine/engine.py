@@ -64,6 +64,7 @@ class GenerateStats:
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> seq_steps, proposals, drafted, accepted
     choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
     by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
+    plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
     tail_tokens: int = 0  # decode tokens and seconds while <= 4 sequences run (the long tail)
     tail_s: float = 0.0
 
@@ -75,6 +76,17 @@ class GenerateStats:
     def tail_tokens_per_s(self) -> float:
         return self.tail_tokens / self.tail_s if self.tail_s else 0.0
 
+    @property
+    def speedup_est(self) -> float:
+        return self.plain_est_s / self.decode_s if self.plain_est_s and self.decode_s else 1.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per sequence per decode step, over all steps (1 = plain decoding)."""
+        seq_steps = sum(b * n for b, n in self.batch_sizes.items())
+        decode_tokens = sum(cell[0] for cell in self.by_bucket.values())
+        return decode_tokens / seq_steps if seq_steps else 0.0
+
     def accept_length(self, drafter: str) -> float:
         """Mean tokens emitted per sequence per step when the drafter was chosen (1 = no gain)."""
         d = self.drafters.get(drafter)
@@ -83,7 +95,9 @@ class GenerateStats:
     def summary(self) -> dict:
         out = {"tokens": self.generated_tokens, "seconds": round(self.total_s, 3), "tokens_per_s": round(self.tokens_per_s, 2),
                "tail_tokens_per_s": round(self.tail_tokens_per_s, 2), "draft_s": round(self.draft_s, 3),
-               "forward_s": round(self.forward_s, 3), "verify_s": round(self.verify_s, 3), "choices": self.choices}
+               "forward_s": round(self.forward_s, 3), "verify_s": round(self.verify_s, 3),
+               "accept_length": round(self.mean_accept_length, 3), "speedup_est": round(self.speedup_est, 3),
+               "choices": self.choices}
         for name, d in self.drafters.items():
             out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
             out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
@@ -166,7 +180,7 @@ class Engine:
         group = []
         for j in range(params.n):
             seed = params.seed + j if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.rng))
-            group.append(Sequence(index, j, ids, params, torch.Generator().manual_seed(seed), max_tokens, stop_ids, t_submit))
+            group.append(Sequence(index, j, ids, params, seed, max_tokens, stop_ids, t_submit))
         return group
 
     # ---- the loop -------------------------------------------------------------------------------------
@@ -193,7 +207,7 @@ class Engine:
                     sched.add(group[k : k + chunk])
             except ValueError as e:
                 log.warning("request %d rejected: %s", i, e)
-                group = [Sequence(i, j, [], p, self.rng, 0, frozenset(), t0) for j in range(p.n)]
+                group = [Sequence(i, j, [], p, 0, 0, frozenset(), t0) for j in range(p.n)]
                 for s in group:
                     s.finish("error", str(e))
             all_seqs.extend(group)
@@ -281,6 +295,8 @@ class Engine:
         t3 = time.perf_counter()
         drafted = sum(len(t) for t in trees if t)
         if self.selector is not None:
+            plain = self.selector.cost.predict(B)
+            stats.plain_est_s += (emitted / B) * plain if plain else t3 - t0
             self.selector.record(arm, B, len(ids), t2 - t1, t3 - t0, emitted, drafted, t1 - t0)
             self._shadow_drafts(running, arm)
         stats.decode_steps += 1
@@ -371,7 +387,7 @@ class Engine:
             if tree is None:
                 verdict_tokens, verdict_lps, accepted = *self._draw_one(s, rows[0]), []
             else:
-                v = verify_tree(tree, rows, s.params.greedy, s.generator)
+                v = verify_tree(tree, rows, s.params.greedy, s.seed, len(s.output_ids))
                 verdict_tokens, verdict_lps, accepted = v.tokens, v.logprobs, v.accepted_nodes
                 src = [c + 1 + n for n in accepted]
                 dst = list(range(c + 1, c + 1 + len(accepted)))
@@ -388,13 +404,13 @@ class Engine:
         return emitted
 
     def _draw_one(self, s: Sequence, row: torch.Tensor) -> tuple[list[int], list[float]]:
-        tokens, lps = sample(row[None], [s.params.greedy], [s.generator])
+        tokens, lps = sample(row[None], [s.params.greedy], [s.seed], [len(s.output_ids)])
         return tokens, lps
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> int:
         params = [s.params for s in seqs]
         logprobs = warped_logprobs(logits, *warp_tensors(params, self.device))
-        tokens, lps = sample(logprobs, [p.greedy for p in params], [s.generator for s in seqs])
+        tokens, lps = sample(logprobs, [p.greedy for p in params], [s.seed for s in seqs], [len(s.output_ids) for s in seqs])
         emitted = 0
         for s, tok, lp in zip(seqs, tokens, lps):
             if s.output_ids:

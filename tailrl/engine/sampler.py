@@ -1,4 +1,8 @@
-"""Logit warping (temperature, top-k, top-p) and sampling with per-request generators.
+"""Logit warping (temperature, top-k, top-p) and sampling keyed by (request seed, token position).
+
+The noise that draws the token at output position i of a request depends only on the request's seed and i.
+Plain decoding and speculative verification with deterministic drafts therefore emit the very same tokens,
+not merely tokens of the same distribution, and a batch gives each request what it would get alone.
 
 `warped_logprobs` defines the distribution a request samples from; speculative verification and the
 trainer's logprob recomputation use the same function, so all three agree exactly. Greedy rows keep the
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec.noise import gumbel, position_generator
 from .sampling import SamplingParams
 
 
@@ -36,17 +41,14 @@ def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
     return torch.log_softmax(x, dim=-1)
 
 
-def gumbel_noise(generators: list[torch.Generator], vocab: int, device) -> torch.Tensor:
-    u = torch.stack([torch.rand(vocab, generator=g) for g in generators])
-    return (-torch.log(-torch.log(u))).to(device)
-
-
-def sample(logprobs: torch.Tensor, greedy: list[bool], generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
-    """One token per row from warped logprobs [N, V]: Gumbel-max with the row's own generator, or argmax."""
+def sample(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions: list[int]) -> tuple[list[int], list[float]]:
+    """One token per row from warped logprobs [N, V]: row r is output position positions[r] of a request
+    seeded seeds[r] (Gumbel-max with that position's noise), or the argmax for greedy rows."""
     if all(greedy):
         tokens = logprobs.argmax(-1)
     else:
-        tokens = (logprobs + gumbel_noise(generators, logprobs.shape[-1], logprobs.device)).argmax(-1)
+        noise = torch.stack([gumbel(position_generator(s, p), logprobs.shape[-1]) for s, p in zip(seeds, positions)])
+        tokens = (logprobs.double() + noise.to(logprobs.device)).argmax(-1)
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=logprobs.device), logprobs.argmax(-1), tokens)
     lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .sampling import SamplingParams
 
 
@@ -33,7 +31,7 @@ class Sequence:
     sample_index: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # with the output position, keys the sampling noise
     max_tokens: int  # params.max_tokens clamped to the context
     stop_ids: frozenset[int]
     t_submit: float

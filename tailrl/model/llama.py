@@ -216,10 +216,11 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         hidden_layers: tuple[int, ...] = (),
         attn_mask: torch.Tensor | None = None,
+        logits_start: int = 0,
     ):
         """Plain causal forward over [B, L] (right padding is harmless under a causal mask); differentiable.
-        Returns (logits [B, L, V], {layer: hidden [B, L, H]})."""
+        Returns (logits [B, L - logits_start, V], {layer: hidden [B, L, H]}); training skips prompt logits."""
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x, hidden = self._run_layers(x, positions, hidden_layers, attn_mask=attn_mask)
-        return self.lm_head(x), hidden
+        return self.lm_head(x[:, logits_start:]), hidden

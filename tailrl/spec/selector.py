@@ -68,15 +68,35 @@ class CostModel:
         return hi[0][1]  # below the smallest: at least as cheap as it (optimistic; measuring corrects it)
 
 
+class Rate:
+    """Extra tokens (or drafted nodes) per sequence-step, as exponentially decayed sums over sequence-steps:
+    a 32-sequence step weighs 32 single-sequence shadow observations, and one lucky sequence moves it little."""
+
+    def __init__(self, half_life: float = 200.0):
+        self.decay = 0.5 ** (1 / half_life)
+        self.total = 0.0
+        self.weight = 0.0
+
+    def add(self, value_sum: float, seq_steps: int) -> None:
+        d = self.decay**seq_steps
+        self.total = self.total * d + value_sum
+        self.weight = self.weight * d + seq_steps
+
+    def mean(self, default: float) -> float:
+        return self.total / self.weight if self.weight > 0 else default
+
+
 class Selector:
+    margin = 1.05  # speculate only where the model expects at least this gain over plain decoding
+
     def __init__(self, cfg: SpecConfig, alpha: float = 0.2):
         self.cfg = cfg
         self.drafter_arms = [Arm(d, b) for d in cfg.drafters for b in cfg.budgets]
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()
-        self.accept = {a: 0.0 for a in self.drafter_arms}  # until measured (shadow drafts measure it for free)
-        self.drafted = {a: float(a.budget) for a in self.drafter_arms}
+        self.accept = {a: Rate() for a in self.drafter_arms}  # shadow drafts measure it even while unused
+        self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft_cost = {d: 0.0 for d in cfg.drafters}  # seconds per sequence proposal
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
@@ -86,10 +106,10 @@ class Selector:
         if arm == OFF:
             t = self.cost.predict(B)
             return B / t if t else None
-        t = self.cost.predict(B * (1 + self.drafted[arm]))
+        t = self.cost.predict(B * (1 + self.drafted[arm].mean(arm.budget)))
         if t is None:
             return None
-        return B * (1 + self.accept[arm]) / (t + B * self.draft_cost[arm.drafter])
+        return B * (1 + self.accept[arm].mean(0.0)) / (t + B * self.draft_cost[arm.drafter])
 
     def score(self, arm: Arm, B: int) -> float:
         p = self.predict(arm, B)
@@ -101,6 +121,8 @@ class Selector:
         if len(self.arms) == 1:
             return self.arms[0]
         scores = {a: self.score(a, B) for a in self.arms}
+        if OFF in scores:
+            scores[OFF] *= self.margin
         best = max(scores.values())
         if self.rng.random() < self.cfg.epsilon:  # explore among arms that are not hopeless
             return self.rng.choice([a for a, v in scores.items() if v >= 0.85 * best])
@@ -119,8 +141,8 @@ class Selector:
             ratio = min(max((emitted / step_s) / predicted, 0.5), 2.0)
             self.correction[key] = self.correction.get(key, 1.0) + self.alpha * (ratio - self.correction.get(key, 1.0))
         if arm != OFF:
-            self._ema(self.accept, arm, (emitted - B) / B)
-            self._ema(self.drafted, arm, drafted / B)
+            self.accept[arm].add(emitted - B, B)
+            self.drafted[arm].add(drafted, B)
             self._ema(self.draft_cost, arm.drafter, draft_s / B)
 
     def record_forward(self, tokens_in_pass: int, forward_s: float) -> None:
@@ -131,5 +153,5 @@ class Selector:
         deterministic draft its matched length is distributed as its accepted length would have been."""
         for arm in self.drafter_arms:
             if arm.drafter == drafter:
-                self._ema(self.accept, arm, min(accepted, arm.budget))
-                self._ema(self.drafted, arm, min(drafted, arm.budget))
+                self.accept[arm].add(min(accepted, arm.budget), 1)
+                self.drafted[arm].add(min(drafted, arm.budget), 1)

@@ -10,7 +10,11 @@ accepted with probability min(1, p(c) / q(c)); on rejection p <- norm(max(p - q,
 q (renormalised); if every child is rejected, the token is drawn from the final residual p.
 
 Greedy takes the argmax at every node, which makes any draft exact. Emitted logprobs are those of the
-target's (warped) distribution at each position: what plain decoding would have reported."""
+target's (warped) distribution at each position: what plain decoding would have reported.
+
+All randomness for the token at output position i comes from that position's own stream (request seed, i),
+drawn in a fixed order (the Gumbel noise first, then one uniform per tried child), so deterministic drafts
+emit exactly what plain decoding with the same seed emits."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .noise import draw, gumbel, position_generator
 from .tree import DraftTree
 
 
@@ -28,14 +33,10 @@ class Verdict:
     logprobs: list[float]
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator) -> int:
-    u = torch.rand(logp.shape[-1], generator=generator, dtype=torch.float64).to(logp.device)
-    return int((logp.double() - torch.log(-torch.log(u))).argmax())
-
-
 def _rejection_step(logp: torch.Tensor, q: torch.Tensor, kids: list[int], tokens: list[int],
                     generator: torch.Generator) -> tuple[int | None, int]:
     """Returns (accepted child or None, emitted token)."""
+    noise = gumbel(generator, logp.shape[-1]).to(logp.device)  # drawn first: the residual draw's noise
     p = logp.double().exp()
     qc = q.double().to(p.device).clone()
     for c in kids:
@@ -49,11 +50,12 @@ def _rejection_step(logp: torch.Tensor, q: torch.Tensor, kids: list[int], tokens
         qc[x] = 0
         qs = qc.sum()
         qc = qc / qs if qs > 0 else qc
-    return None, _draw(torch.log(p), generator)
+    return None, int((torch.log(p) + noise).argmax())
 
 
-def verify_tree(tree: DraftTree, logp: torch.Tensor, greedy: bool, generator: torch.Generator) -> Verdict:
-    """logp: [1 + N, V] warped target log-probabilities for [root] + tree nodes."""
+def verify_tree(tree: DraftTree, logp: torch.Tensor, greedy: bool, seed: int, position: int) -> Verdict:
+    """logp: [1 + N, V] warped target log-probabilities for [root] + tree nodes; the root's child is drawn
+    for output position `position` of a request seeded `seed`."""
     kids_of: dict[int, list[int]] = {}
     for i, p in enumerate(tree.parents):
         kids_of.setdefault(p, []).append(i)
@@ -66,9 +68,9 @@ def verify_tree(tree: DraftTree, logp: torch.Tensor, greedy: bool, generator: to
             x = int(row.argmax())
             child = next((c for c in kids if tree.tokens[c] == x), None)
         elif q is not None and kids:
-            child, x = _rejection_step(row, q, kids, tree.tokens, generator)
+            child, x = _rejection_step(row, q, kids, tree.tokens, position_generator(seed, position + len(out)))
         else:
-            x = _draw(row, generator)
+            x = draw(row, position_generator(seed, position + len(out)))
             child = next((c for c in kids if tree.tokens[c] == x), None)
         out.append(x)
         lps.append(float(row[x]))

@@ -1,0 +1,232 @@
+"""Training configuration: nested dataclasses, read from YAML and overridden with dotted `key.sub=value`.
+
+An unknown key or a value of the wrong type is an error that names the key and lists the valid ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .spec.config import SpecConfig
+
+
+@dataclass
+class ModelCfg:
+    path: str = "smollm2-135m"  # known name, HF folder or .gguf
+    device: str | None = None  # None: cuda if present, else cpu
+    dtype: str = "float32"  # policy weights (the engine runs the same dtype)
+
+
+@dataclass
+class DataCfg:
+    task: str = "arithmetic"  # built-in task generated locally when train_file is empty
+    train_file: str = ""  # JSONL or Parquet with a 'prompt' (text or chat messages) and an 'answer'
+    eval_file: str = ""
+    num_train: int = 2000
+    num_eval: int = 32
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str = ""
+    max_prompt_tokens: int = 256  # longer prompts are skipped with a warning
+
+
+@dataclass
+class RolloutCfg:
+    n: int = 8  # samples per prompt (the GRPO group)
+    max_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    kv_cache_gb: float | None = None
+    max_num_seqs: int = 256
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
+
+
+@dataclass
+class AlgoCfg:
+    advantage: str = "grpo"  # grpo (std-normalised) | dr_grpo (mean-centred only)
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # DAPO clip-higher
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    kl_type: str = "k3"  # k1 | k3
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batch_size: int = 16  # sequences per optimizer step
+    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class RewardCfg:
+    functions: list[str] = field(default_factory=lambda: ["math", "format"])  # built-ins or module:function
+    weights: list[float] = field(default_factory=lambda: [1.0, 0.2])
+    timeout_s: float = 10.0
+
+
+@dataclass
+class TrainerCfg:
+    steps: int = 20
+    prompts_per_step: int = 8
+    eval_every: int = 5  # steps; 0 = never
+    save_every: int = 5  # steps; 0 = only at the end
+    seed: int = 0
+    out_dir: str = "runs/default"
+    resume: bool = False  # continue from the last checkpoint in out_dir
+    report: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    algo: AlgoCfg = field(default_factory=AlgoCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+
+    def validate(self) -> None:
+        a = self.algo
+        checks = [
+            (a.advantage in ("grpo", "dr_grpo"), "algo.advantage", "grpo or dr_grpo"),
+            (a.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"), "algo.loss_agg",
+             "token-mean, seq-mean-token-mean or seq-mean-token-sum"),
+            (a.kl_type in ("k1", "k3"), "algo.kl_type", "k1 or k3"),
+            (a.mini_batch_size >= 1 and a.micro_batch_size >= 1, "algo.mini_batch_size", ">= 1 (and micro_batch_size too)"),
+            (a.ppo_epochs >= 1, "algo.ppo_epochs", ">= 1"),
+            (a.lr > 0, "algo.lr", "> 0"),
+            (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low", "in [0, 1) with clip_high >= 0"),
+            (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),
+            (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
+            (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32, bfloat16 or float16"),
+        ]
+        for ok, key, what in checks:
+            if not ok:
+                raise ConfigError(f"bad value for {key}: must be {what}")
+        from .engine import SamplingParams
+
+        try:
+            SamplingParams(n=self.rollout.n, max_tokens=self.rollout.max_tokens, temperature=self.rollout.temperature,
+                           top_p=self.rollout.top_p, top_k=self.rollout.top_k)
+        except ValueError as e:
+            raise ConfigError(f"bad rollout setting: {e}") from e
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false, so `spec.mode: off` stays the string 'off'."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [r for r in v if r[0] != "tag:yaml.org,2002:bool"] for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+def valid_keys(cls=Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = _field_type(cls, f.name)
+        if dataclasses.is_dataclass(t):
+            keys += valid_keys(t, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(value, t, key: str):
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if value is None:
+            return None
+        for a in args:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"bad value for {key}: {value!r} is not {' or '.join(a.__name__ for a in args)}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        (inner, *_) = typing.get_args(t) or (object,)
+        items = [_coerce(v, inner, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if t in (int, float) and isinstance(value, str):  # YAML reads 1e-4 as a string
+        try:
+            value = t(value)
+        except ValueError:
+            raise ConfigError(f"bad value for {key}: {value!r} is not {t.__name__}") from None
+    if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if t is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if t in (int, float, str, bool) and not (isinstance(value, t) and not (t is int and isinstance(value, bool))):
+        raise ConfigError(f"bad value for {key}: {value!r} is not {t.__name__}")
+    return value
+
+
+def _set(obj, parts: list[str], value, full: str) -> None:
+    name = parts[0]
+    names = [f.name for f in dataclasses.fields(obj)]
+    if name not in names:
+        raise ConfigError(f"unknown config key {full!r}; valid keys: {', '.join(valid_keys())}")
+    t = _field_type(type(obj), name)
+    if len(parts) > 1:
+        if not dataclasses.is_dataclass(t):
+            raise ConfigError(f"unknown config key {full!r}; valid keys: {', '.join(valid_keys())}")
+        _set(getattr(obj, name), parts[1:], value, full)
+    elif dataclasses.is_dataclass(t):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {full!r} is a section; give its keys ({', '.join(valid_keys(t, full + '.'))})")
+        for k, v in value.items():
+            _set(getattr(obj, name), [k], v, f"{full}.{k}")
+    else:
+        setattr(obj, name, _coerce(value, t, full))
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path!r} not found")
+        data = parse_yaml(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+        for k, v in data.items():
+            _set(cfg, [k], v, k)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value; valid keys: {', '.join(valid_keys())}")
+        key, raw = item.split("=", 1)
+        _set(cfg, key.strip().split("."), parse_yaml(raw) if raw.strip() else "", key.strip())
+    try:
+        # nested spec settings validate themselves on construction
+        cfg.rollout.spec = SpecConfig(**dataclasses.asdict(cfg.rollout.spec))
+    except ValueError as e:
+        raise ConfigError(f"bad rollout.spec setting: {e}") from e
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

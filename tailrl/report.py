@@ -1,0 +1,82 @@
+"""The run report: plots of reward and accuracy, step time by phase, response lengths per step and accept
+length over steps, written as report.png and report.md in the run folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .metrics import read_metrics
+
+PHASES = ["gen", "reward", "old_log_prob", "ref", "update", "sync", "eval"]
+
+
+def make_report(run_dir: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if not train:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no training steps yet")
+    steps = [r["step"] for r in train]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    ax.plot(steps, [r["reward/mean"] for r in train], marker="o", label="train reward")
+    ax.plot(steps, [r["acc/mean"] for r in train], marker=".", label="train accuracy")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="s", label="eval accuracy (greedy)")
+    ax.set_title("reward and accuracy")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax = axes[0][1]
+    bottom = [0.0] * len(train)
+    for ph in PHASES:
+        vals = [r.get(f"timing_s/{ph}", 0.0) for r in train]
+        if any(vals):
+            ax.bar(steps, vals, bottom=bottom, label=ph)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("step time by phase (s)")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax = axes[1][0]
+    data = [r.get("response_lengths") or [r["response_length/mean"]] for r in train]
+    ax.boxplot(data, positions=steps, widths=0.6)
+    ax.set_title("response length per step (tokens)")
+    ax.set_xlabel("step")
+    ax = axes[1][1]
+    ax.plot(steps, [r.get("spec/accept_length", 1.0) for r in train], marker="o", label="all decode steps")
+    for key in sorted({k for r in train for k in r if k.startswith("spec/accept_length/")}):
+        ax.plot(steps, [r.get(key, float("nan")) for r in train], marker=".", label=key.split("/")[-1] + " (when chosen)")
+    ax.set_title("accept length (tokens per sequence per step)")
+    ax.set_xlabel("step")
+    ax.legend()
+    fig.tight_layout()
+    png = run_dir / "report.png"
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    first, last = train[0], train[-1]
+    total = sum(r["timing_s/step"] for r in train)
+    gen = sum(r["timing_s/gen"] for r in train)
+    lines = [
+        f"# tailrl run report: {run_dir}", "",
+        f"steps {steps[0]}..{steps[-1]}; reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}; "
+        f"train accuracy {first['acc/mean']:.2f} -> {last['acc/mean']:.2f}"
+        + (f"; eval accuracy {evals[0]['eval/accuracy']:.2f} -> {evals[-1]['eval/accuracy']:.2f}" if evals else ""), "",
+        f"time {total:.0f}s, of which rollout {gen:.0f}s ({100 * gen / max(total, 1e-9):.0f}%); "
+        f"mean accept length {sum(r.get('spec/accept_length', 1) for r in train) / len(train):.2f}, "
+        f"estimated rollout speedup {sum(r.get('spec/speedup_est', 1) for r in train) / len(train):.2f}x", "",
+        "![report](report.png)", "",
+        "| step | reward | acc | resp len | gen s | update s | step s | accept len |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in train:
+        lines.append(f"| {r['step']} | {r['reward/mean']:.3f} | {r['acc/mean']:.2f} | {r['response_length/mean']:.0f} | "
+                     f"{r['timing_s/gen']:.1f} | {r['timing_s/update']:.1f} | {r['timing_s/step']:.1f} | "
+                     f"{r.get('spec/accept_length', 1):.2f} |")
+    md = run_dir / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    return md

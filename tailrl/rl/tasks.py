@@ -1,0 +1,68 @@
+"""Verifiable tasks generated locally: arithmetic word problems with a difficulty spread, and Countdown.
+
+Rows are {"prompt", "answer", "task", "level"}; easy levels give a small starting policy some reward, hard
+levels make long responses (the long tail of rollout lengths)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+INSTRUCTION = "Give the final answer after ####."
+NAMES = ["Ana", "Ben", "Carla", "Dev", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jade"]
+ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cookies", "stamps"]
+
+
+def arithmetic_row(rng: random.Random) -> dict:
+    level = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    if level == 1:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        q, ans = f"What is {a} + {b}?", a + b
+    elif level == 2:
+        a, b = rng.randint(10, 60), rng.randint(2, 30)
+        q, ans = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    elif level == 3:
+        a, b, c = rng.randint(5, 40), rng.randint(2, 20), rng.randint(2, 9)
+        q = f"{name} has {a} {item}, gives away {b}, then the rest is multiplied by {c}. How many {item} are there?"
+        ans = (a - b) * c if a > b else (b - a) * c
+        if a <= b:
+            q = f"{name} has {b} {item}, gives away {a}, then the rest is multiplied by {c}. How many {item} are there?"
+    else:
+        a, b, c, d = rng.randint(2, 12), rng.randint(2, 12), rng.randint(10, 90), rng.randint(2, 5)
+        q = (f"{name} buys {a} boxes with {b} {item} each, already had {c} {item}, and then shares all of them "
+             f"equally with {d} friends, keeping the remainder. How many {item} does each friend get? Show your steps.")
+        ans = (a * b + c) // d
+    return {"prompt": f"{q} {INSTRUCTION}", "answer": str(ans), "task": "arithmetic", "level": level}
+
+
+def countdown_row(rng: random.Random) -> dict:
+    k = rng.choices([2, 3, 4], weights=[3, 2, 1])[0]
+    nums = [rng.randint(1, 25) for _ in range(k)]
+    # a reachable target: combine the numbers left to right with random + - *
+    target = nums[0]
+    for x in nums[1:]:
+        op = rng.choice("+-*")
+        target = target + x if op == "+" else target - x if op == "-" else target * x
+    prompt = (f"Using the numbers {nums}, each exactly once, and + - * / with parentheses, make {target}. "
+              f"Write the expression after ####.")
+    return {"prompt": prompt, "answer": str(target), "task": "countdown", "level": k - 1, "numbers": nums}
+
+
+TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row}
+
+
+def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    rng = random.Random(f"{task}-{seed}")
+    return [TASKS[task](rng) for _ in range(n)]
+
+
+def write_rows(rows: list[dict], out: str | Path) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")

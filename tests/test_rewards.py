@@ -1,0 +1,76 @@
+import time
+
+import pytest
+
+from tailrl.rl.rewards import RewardRunner, answers_match, countdown_reward, extract_answer, format_reward, math_reward
+from tailrl.rl.tasks import make_rows
+
+
+def test_extract_answer_forms():
+    assert extract_answer("so 3 + 4 = 7\n#### 7") == "7"
+    assert extract_answer("#### 1\nwait\n#### 12 apples") == "12 apples"
+    assert extract_answer(r"the answer is \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_answer("no answer here") is None
+
+
+def test_numeric_and_symbolic_equivalence():
+    assert answers_match("1,200", "1200")
+    assert answers_match("$12.0", "12")
+    assert answers_match("3/4", "0.75")
+    assert answers_match(r"\frac{1}{2}", "0.5")
+    assert not answers_match("13", "12")
+
+
+def test_math_and_format_rewards():
+    assert math_reward("... #### 42", "42") == 1.0
+    assert math_reward("... #### 41", "42") == 0.0
+    assert math_reward("42", "42") == 0.0  # no answer line
+    assert format_reward("#### 41") == 1.0 and format_reward("41") == 0.0
+
+
+def test_countdown_verifier():
+    assert countdown_reward("#### (3 + 5) * 2", "16", numbers=[3, 5, 2]) == 1.0
+    assert countdown_reward("#### 3 * 5 + 2 = 17", "17", numbers=[3, 5, 2]) == 1.0
+    assert countdown_reward("#### 8 * 2", "16", numbers=[3, 5, 2]) == 0.0  # numbers not used exactly once
+    assert countdown_reward("#### __import__('os')", "1", numbers=[1]) == 0.0
+
+
+def test_generated_tasks_are_solvable_and_spread():
+    rows = make_rows("arithmetic", 400, seed=0)
+    assert {r["level"] for r in rows} == {1, 2, 3, 4}
+    assert all(math_reward(f"#### {r['answer']}", r["answer"]) == 1.0 for r in rows)
+    cd = make_rows("countdown", 50, seed=0)
+    assert all(r["numbers"] and r["answer"] for r in cd)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_rows("sudoku", 1)
+
+
+def raises_on_seven(prompts, completions, answer, **_):
+    if any("7" in c for c in completions):
+        raise RuntimeError("boom")
+    return [1.0 for _ in completions]
+
+
+def hangs_on_seven(prompts, completions, answer, **_):
+    if any("7" in c for c in completions):
+        time.sleep(60)
+    return [0.5 for _ in completions]
+
+
+def test_raising_and_hanging_user_rewards_give_zero_and_go_on():
+    runner = RewardRunner(["tests.test_rewards:raises_on_seven", "tests.test_rewards:hangs_on_seven"], timeout_s=3)
+    try:
+        t = time.perf_counter()
+        rewards, stats = runner(["p"] * 3, ["#### 1", "#### 7", "#### 3"], {"answer": ["1", "7", "3"]})
+        assert rewards == [1.5, 0.0, 1.5]
+        assert stats.errors == 1 and stats.timeouts == 1
+        assert time.perf_counter() - t < 30
+    finally:
+        runner.close()
+
+
+def test_unknown_reward_function_is_named_at_start():
+    with pytest.raises(ValueError, match="no_such_module"):
+        RewardRunner(["no_such_module:f"])
+    with pytest.raises(ValueError, match="weights"):
+        RewardRunner(["math"], [1.0, 2.0])

@@ -1,0 +1,125 @@
+import json
+
+import pytest
+import torch
+
+from tailrl.cli import main
+from tailrl.config import load_config
+from tailrl.rl.trainer import Trainer, push_weights, train
+from tests.conftest import make_tiny_chat_model
+
+
+def count_a(prompts, completions, **_):
+    """Trivially learnable: the share of 'a' among the words of a completion."""
+    return [c.split().count("a") / max(len(c.split()), 1) for c in completions]
+
+
+def always_raises(prompts, completions, **_):
+    raise RuntimeError("reward bug")
+
+
+def always_hangs(prompts, completions, **_):
+    import time
+
+    time.sleep(120)
+    return [1.0] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    rows = [{"prompt": f"{i % 10} + {(i * 3) % 10} =", "answer": str(i % 10 + (i * 3) % 10)} for i in range(64)]
+    rows.insert(5, {"no_prompt": True})  # a malformed row is skipped with a warning
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    return str(path)
+
+
+def tiny_cfg(tiny_chat, task_file, out, *extra):
+    return load_config(None, [
+        f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={out}",
+        "reward.functions=[tests.test_trainer:count_a]", "reward.weights=[1.0]", "rollout.n=8",
+        "rollout.max_tokens=8", "trainer.prompts_per_step=4", "algo.lr=0.02", "algo.mini_batch_size=16",
+        "algo.micro_batch_size=8", "trainer.eval_every=0", "trainer.save_every=1", "rollout.spec.mode=auto",
+        "rollout.kv_cache_gb=0.1", "trainer.report=false", *extra])
+
+
+def test_a_few_steps_raise_the_reward(tiny_chat, task_file, tmp_path):
+    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=8", "trainer.save_every=0")
+    rows = [json.loads(line) for line in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert len(rewards) == 8
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, rewards
+    for key in ("timing_s/gen", "timing_s/update", "timing_s/step", "response_length/mean", "actor/pg_loss",
+                "actor/entropy", "actor/grad_norm", "spec/accept_length", "spec/speedup_est"):
+        assert key in rows[-1]
+
+
+def test_kill_and_resume_continues_exactly(tiny_chat, task_file, tmp_path):
+    full = tmp_path / "full"
+    train(tiny_cfg(tiny_chat, task_file, full, "trainer.steps=3", "algo.mini_batch_size=8"))
+    part = tmp_path / "part"
+    train(tiny_cfg(tiny_chat, task_file, part, "trainer.steps=2", "algo.mini_batch_size=8"))
+    with (part / "metrics.jsonl").open("a") as f:  # a killed run may have logged a step it never saved
+        f.write(json.dumps({"step": 3, "reward/mean": -1.0}) + "\n")
+    train(tiny_cfg(tiny_chat, task_file, part, "trainer.steps=3", "trainer.resume=true", "algo.mini_batch_size=8"))
+    a = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "response_lengths"):
+        assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-6), key
+
+
+def test_raising_and_hanging_rewards_do_not_stop_a_run(tiny_chat, task_file, tmp_path):
+    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "reward.timeout_s=2",
+                   "reward.functions=[tests.test_trainer:always_raises,tests.test_trainer:always_hangs,tests.test_trainer:count_a]",
+                   "reward.weights=[1.0,1.0,1.0]", "rollout.n=2", "trainer.prompts_per_step=1")
+    rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["reward/errors"] >= 1 and rows[-1]["reward/timeouts"] >= 1
+    assert rows[-1]["reward/mean"] == pytest.approx(rows[-1]["reward/count_a/mean"])
+
+
+def test_engine_logprobs_equal_trainer_logprobs_after_a_step(tiny_chat, task_file, tmp_path):
+    from tailrl.engine import SamplingParams
+    from tailrl.rl.algos import token_logprobs
+
+    trainer = Trainer(tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "rollout.spec.mode=off"))
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.train_step()
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    # a separate engine model gets the trained weights pushed in process
+    import copy
+
+    engine_model = copy.deepcopy(trainer.policy)
+    with torch.no_grad():
+        for p in engine_model.parameters():
+            p.zero_()
+    push_weights(trainer.policy, engine_model)
+    trainer.engine.model = engine_model
+    ids = trainer.train_set[0].ids
+    out = trainer.engine.generate([ids], SamplingParams(max_tokens=6, seed=3, ignore_eos=True))[0]
+    tokens = torch.tensor([ids + out.token_ids])
+    with torch.no_grad():
+        logits, _ = trainer.policy.forward_full(tokens[:, :-1], logits_start=len(ids) - 1)
+        lp, _ = token_logprobs(logits, tokens[:, len(ids):])
+    assert lp[0].tolist() == pytest.approx(out.logprobs, abs=1e-4)
+
+
+def test_bad_config_key_lists_the_valid_keys(capsys):
+    assert main(["train", "algo.learning_rate=1"]) == 2
+    err = capsys.readouterr().err
+    assert "algo.learning_rate" in err and "algo.lr" in err and "rollout.spec.mode" in err
+
+
+def test_report_is_written(tiny_chat, task_file, tmp_path):
+    from tailrl.report import make_report
+
+    train(tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=2", "trainer.eval_every=1"))
+    md = make_report(tmp_path)
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    text = md.read_text()
+    assert "| 2 |" in text and "eval accuracy" in text
