@@ -29,7 +29,7 @@ class DataCfg:
     train_file: str = ""  # JSONL or Parquet with a 'prompt' (text or chat messages) and an 'answer'
     eval_file: str = ""
     num_train: int = 2000
-    num_eval: int = 32
+    num_eval: int = 16
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: str = ""
@@ -59,7 +59,7 @@ class AlgoCfg:
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 16  # sequences per optimizer step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
-    lr: float = 2e-5
+    lr: float = 3e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 
@@ -73,10 +73,10 @@ class RewardCfg:
 
 @dataclass
 class TrainerCfg:
-    steps: int = 20
-    prompts_per_step: int = 8
-    eval_every: int = 5  # steps; 0 = never
-    save_every: int = 5  # steps; 0 = only at the end
+    steps: int = 16  # the default run shows the reward rising on a 2-core CPU in about 15 minutes
+    prompts_per_step: int = 4
+    eval_every: int = 4  # steps; 0 = never
+    save_every: int = 4  # steps; 0 = only at the end
     seed: int = 0
     out_dir: str = "runs/default"
     resume: bool = False  # continue from the last checkpoint in out_dir

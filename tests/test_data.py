@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from tailrl.config import DataCfg
+from tailrl.rl.data import Loader, chat_prompt, load_datasets
+
+
+def test_jsonl_and_parquet_rows_with_extra_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"q{i}", "answer": i, "difficulty": i % 3} for i in range(10)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"prompt": "x"}\n{bad\n')
+    for name in ("d.parquet", "d.jsonl"):
+        train, evals = load_datasets(DataCfg(train_file=str(tmp_path / name), num_eval=2))
+        assert len(evals) == 2 and len(train) == 8  # the row without an answer and the bad line are skipped
+        assert train[0].answer == "2" and train[0].columns == {"difficulty": 2}
+
+
+def test_chat_messages_prompt_and_system_prompt():
+    msgs = chat_prompt([{"role": "user", "content": "hi"}], "be brief")
+    assert msgs[0] == {"role": "system", "content": "be brief"} and msgs[1]["content"] == "hi"
+    assert chat_prompt("hi")[0] == {"role": "user", "content": "hi"}
+
+
+def test_a_dataset_without_usable_rows_is_an_error(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"question": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_datasets(DataCfg(train_file=str(tmp_path / "d.jsonl")))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_datasets(DataCfg(train_file=str(tmp_path / "missing.jsonl")))
+
+
+def test_loader_reshuffles_per_epoch_and_resumes():
+    a = Loader(5, seed=1)
+    first = a.next(7)
+    assert sorted(first[:5]) == list(range(5))
+    b = Loader(5, seed=1)
+    b.next(3)
+    state = b.state_dict()
+    c = Loader(5, seed=1)
+    c.load_state_dict(state)
+    assert c.next(4) == first[3:7]
