@@ -39,7 +39,7 @@ def run_trl(steps: int, seed: int) -> float:
 
     from tailrl.config import Config
     from tailrl.model import load_model, save_pretrained
-    from tailrl.rl.rewards import format_reward, math_reward
+    from tailrl.rl.rewards import format_reward, math_partial_reward
     from tailrl.rl.tasks import make_rows
 
     cfg = Config()
@@ -51,7 +51,7 @@ def run_trl(steps: int, seed: int) -> float:
     ds = Dataset.from_list([{"prompt": sys_msg + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
 
     def acc(prompts, completions, answer, **_):
-        return [math_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+        return [math_partial_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     def fmt(prompts, completions, **_):
         return [0.2 * format_reward(c[-1]["content"] if isinstance(c, list) else c) for c in completions]

@@ -66,7 +66,7 @@ class AlgoCfg:
 
 @dataclass
 class RewardCfg:
-    functions: list[str] = field(default_factory=lambda: ["math", "format"])  # built-ins or module:function
+    functions: list[str] = field(default_factory=lambda: ["math_partial", "format"])  # built-ins or module:function
     weights: list[float] = field(default_factory=lambda: [1.0, 0.2])
     timeout_s: float = 10.0
 

@@ -2,7 +2,8 @@ import time
 
 import pytest
 
-from tailrl.rl.rewards import RewardRunner, answers_match, countdown_reward, extract_answer, format_reward, math_reward
+from tailrl.rl.rewards import (RewardRunner, answers_match, countdown_reward, extract_answer, format_reward,
+                                math_partial_reward, math_reward)
 from tailrl.rl.tasks import make_rows
 
 
@@ -26,6 +27,9 @@ def test_math_and_format_rewards():
     assert math_reward("... #### 41", "42") == 0.0
     assert math_reward("42", "42") == 0.0  # no answer line
     assert format_reward("#### 41") == 1.0 and format_reward("41") == 0.0
+    assert math_partial_reward("so 5 + 7 = 12.", "12") == 0.5  # right, without the answer line
+    assert math_partial_reward("#### 11", "12") == 0.0 and math_partial_reward("x #### 12", "12") == 1.0
+    assert math_partial_reward("12 then #### 11", "12") == 0.0  # the answer line decides when present
 
 
 def test_countdown_verifier():

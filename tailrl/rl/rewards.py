@@ -68,6 +68,18 @@ def math_reward(completion: str, answer: str, **_) -> float:
     return 1.0 if pred is not None and answers_match(pred, str(answer)) else 0.0
 
 
+def math_partial_reward(completion: str, answer: str, **_) -> float:
+    """1 for a correct answer line; 0.5 for a correct last number without one, so that a policy that solves
+    the problem but ignores the format still earns more than one that writes '#### <wrong number>'."""
+    if math_reward(completion, answer):
+        return 1.0
+    if extract_answer(completion) is None:
+        nums = _NUM.findall(completion.replace("$", ""))
+        if nums and answers_match(nums[-1], str(answer)):
+            return 0.5
+    return 0.0
+
+
 def format_reward(completion: str, **_) -> float:
     """Partial credit for ending with an answer line: '#### <number>' (or a \\boxed{} answer)."""
     pred = extract_answer(completion)
@@ -101,7 +113,8 @@ def countdown_reward(completion: str, answer: str, numbers: list[int] | None = N
     return 1.0 if Counter(used) == Counter(numbers) and math.isclose(value, float(answer), abs_tol=1e-6) else 0.0
 
 
-BUILTIN = {"math": math_reward, "format": format_reward, "countdown": countdown_reward}
+BUILTIN = {"math": math_reward, "math_partial": math_partial_reward, "format": format_reward,
+           "countdown": countdown_reward}
 
 
 def _call_user(spec: str, prompts, completions, columns: dict) -> list[float]:
