@@ -393,14 +393,17 @@ class Engine:
                 dst = list(range(c + 1, c + 1 + len(accepted)))
                 if src != dst:  # keep only the accepted path, in order, right after the cache
                     self.kv.move(s.slot, src, dst)
-                s.drafted += len(tree)
-                s.accepted += len(accepted)
-                per = s.per_drafter.setdefault(tree.drafter or "?", [0, 0])
-                per[0] += len(tree)
-                per[1] += len(accepted)
                 full = bool(accepted) and not tree.children(accepted[-1])
                 s.spec_depth = min(2 * s.spec_depth, spec.max_depth) if full else max(s.spec_depth // 2, spec.min_depth)
-            emitted += self._append(s, verdict_tokens, verdict_lps)
+            n = self._append(s, verdict_tokens, verdict_lps)
+            emitted += n
+            if tree is not None:
+                used = min(len(accepted), n - 1)  # accepted tokens after a stop token are never emitted
+                s.drafted += len(tree)
+                s.accepted += used
+                per = s.per_drafter.setdefault(tree.drafter or "?", [0, 0])
+                per[0] += len(tree)
+                per[1] += used
         return emitted
 
     def _draw_one(self, s: Sequence, row: torch.Tensor) -> tuple[list[int], list[float]]:

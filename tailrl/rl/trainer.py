@@ -92,21 +92,20 @@ class Trainer:
                                  top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
         return self.engine.generate([ex.ids for ex in examples], params)
 
-    def score(self, examples: list[Example], comps) -> tuple[torch.Tensor, dict]:
-        n = self.cfg.rollout.n
+    def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict]:
         prompts = [examples[c.prompt_index].prompt for c in comps]
         texts = [c.text for c in comps]
         columns = {"answer": [examples[c.prompt_index].answer for c in comps]}
         for key in examples[0].columns:
             columns[key] = [examples[c.prompt_index].columns.get(key) for c in comps]
         total, st = self.rewards(prompts, texts, columns)
-        acc_fn = "countdown" if "countdown" in self.cfg.reward.functions else "math"
-        correct = [BUILTIN[acc_fn](t, **{k: v[i] for k, v in columns.items()}) if acc_fn != "math" else
-                   math_reward(t, columns["answer"][i]) for i, t in enumerate(texts)]
+        # accuracy: the task's strict verifier, whatever the shaped reward is
+        verifier = BUILTIN["countdown"] if "countdown" in self.cfg.reward.functions else math_reward
+        correct = [verifier(t, **{k: v[i] for k, v in columns.items()}) for i, t in enumerate(texts)]
         rewards = torch.tensor(total)
-        groups = rewards.view(-1, n)
-        metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                   "reward/frac_zero_std": float((groups.std(-1) == 0).float().mean()) if n > 1 else 0.0,
+        groups = rewards.view(-1, group_size)
+        metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                   "reward/frac_zero_std": float((groups.std(-1) == 0).float().mean()) if group_size > 1 else 0.0,
                    "acc/mean": sum(correct) / len(correct), "reward/errors": st.errors, "reward/timeouts": st.timeouts}
         for name, v in st.per_fn.items():
             metrics[f"reward/{name.split(':')[-1]}/mean"] = v
@@ -192,17 +191,8 @@ class Trainer:
     def evaluate(self) -> dict:
         comps = self.engine.generate([ex.ids for ex in self.eval_set],
                                      SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
-        rewards, m = self.score_eval(comps)
-        return {"eval/accuracy": m, "eval/reward": float(rewards.mean())}
-
-    def score_eval(self, comps):
-        n_save = self.cfg.rollout.n
-        self.cfg.rollout.n = 1
-        try:
-            rewards, metrics = self.score(self.eval_set, comps)
-        finally:
-            self.cfg.rollout.n = n_save
-        return rewards, metrics["acc/mean"]
+        rewards, m = self.score(self.eval_set, comps, group_size=1)
+        return {"eval/accuracy": m["acc/mean"], "eval/reward": float(rewards.mean())}
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -214,7 +204,7 @@ class Trainer:
         comps = self.rollout(examples, self.step)
         timing["timing_s/gen"] = time.perf_counter() - t
         t = time.perf_counter()
-        rewards, metrics = self.score(examples, comps)
+        rewards, metrics = self.score(examples, comps, cfg.rollout.n)
         timing["timing_s/reward"] = time.perf_counter() - t
         adv = group_advantages(rewards, cfg.rollout.n, norm_std=cfg.algo.advantage == "grpo")
         batch = self._batch(comps)
