@@ -10,7 +10,6 @@ length per drafter, the selector's choices per batch size, and the history draft
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -125,7 +124,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m", device="cpu")
-    print(f"SmolLM2-135M fp32, CPU; SD auto vs off on the same prompts and settings, interleaved per epoch")
+    print("SmolLM2-135M fp32, CPU; SD auto vs off on the same prompts and settings, interleaved per epoch")
     for temp in args.temperatures:
         report(args, temp, run(args, temp, model, tok))
 

@@ -20,7 +20,7 @@ from .kv_cache import KVCache
 from .sampler import sample, warp_tensors, warped_logprobs
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Completion, Sequence
+from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from dataclasses import dataclass
 
 from .config import SpecConfig
