@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from .drafter.config import DrafterConfig
 from .spec.config import SpecConfig
 
 
@@ -91,6 +92,7 @@ class Config:
     algo: AlgoCfg = field(default_factory=AlgoCfg)
     reward: RewardCfg = field(default_factory=RewardCfg)
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)  # the learned drafter (off by default)
 
     def validate(self) -> None:
         a = self.algo
@@ -224,6 +226,12 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         cfg.rollout.spec = SpecConfig(**dataclasses.asdict(cfg.rollout.spec))
     except ValueError as e:
         raise ConfigError(f"bad rollout.spec setting: {e}") from e
+    try:
+        cfg.drafter = DrafterConfig(**dataclasses.asdict(cfg.drafter))
+    except ValueError as e:
+        raise ConfigError(f"bad drafter setting: {e}") from e
+    if cfg.rollout.spec.mode == "learned" and not (cfg.drafter.enabled or cfg.drafter.path):
+        raise ConfigError("rollout.spec.mode=learned needs drafter.enabled=true or a drafter.path")
     cfg.validate()
     return cfg
 

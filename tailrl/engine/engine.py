@@ -32,6 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096
     seed: int = 0
+    capture_hidden: bool = False  # keep the target's last hidden states per token (drafter training data)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
     def __post_init__(self):
@@ -119,7 +120,9 @@ def default_kv_budget(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer=None, config: EngineConfig | None = None):
+    def __init__(self, model: CausalLM, tokenizer=None, config: EngineConfig | None = None, learned=None):
+        """learned: a learned drafter (tailrl.drafter.propose.LearnedDrafter) offered to the selector next to
+        the model-free ones when spec.mode is auto or learned."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
         self.device = model.device
@@ -134,7 +137,21 @@ class Engine:
         self.last_stats = GenerateStats()
         spec = self.config.spec
         self.drafters = make_drafters(spec)  # their history outlives generate calls: one call = one RL step
-        self.selector = Selector(spec) if spec.mode != "off" else None
+        if spec.mode == "learned" and learned is None:
+            raise ValueError("spec mode 'learned' needs a learned drafter (drafter.enabled or drafter.path)")
+        self.learned = learned if spec.mode in ("auto", "learned") else None
+        if self.learned is not None:
+            self.learned.attach(self.kv)
+            self.drafters["learned"] = self.learned
+            if "history" in self.drafters:
+                from ..drafter.propose import MergedDrafter
+
+                merged = MergedDrafter(self.drafters["history"], self.learned)
+                self.drafters[merged.name] = merged
+        self.capture = self.config.capture_hidden or self.learned is not None
+        self.hidden_layer = (mc.num_hidden_layers,)
+        self.on_step = None  # callback(running sequences, sequences finished this step) after every engine step
+        self.selector = Selector(spec, list(self.drafters)) if spec.mode != "off" else None
         self._shadow_cursor = 0
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -226,6 +243,8 @@ class Engine:
             else:  # nothing fits and nothing runs: cannot happen after _make_group's budget check
                 raise RuntimeError("scheduler stalled: a waiting request does not fit the empty KV cache")
             done = sched.release_finished()
+            if self.on_step is not None:
+                self.on_step(sched.running, done)
             stats.steps += 1
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, self.kv.allocated_bytes())
             if bar is not None and done:
@@ -249,14 +268,17 @@ class Engine:
         ids = torch.tensor([t for s in leaders for t in s.prompt_ids], device=self.device)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         t_fwd = time.perf_counter()
-        logits, _ = self.model(ids, step, self.kv, logits_idx=last)
+        logits, hidden = self.model(ids, step, self.kv, logits_idx=last, hidden_layers=self.hidden_layer if self.capture else ())
         if self.selector is not None:
             self.selector.record_forward(len(ids), time.perf_counter() - t_fwd)
-        for g, plen in zip(groups, lens):
+        chunks = hidden[self.hidden_layer[0]].split(lens) if self.capture else [None] * len(groups)
+        for g, plen, chunk in zip(groups, lens, chunks):
             for s in g[1:]:  # the n samples of a prompt share its prefill
                 self.kv.copy(g[0].slot, s.slot, plen)
             for s in g:
                 s.t_admit = t
+                if chunk is not None:
+                    s.hidden = [chunk]
         rows = torch.repeat_interleave(logits, torch.tensor([len(g) for g in groups], device=self.device), dim=0)
         seqs = [s for g in groups for s in g]
         self._sample_and_append(seqs, rows)
@@ -289,9 +311,17 @@ class Engine:
         step = make_step(cache_lens, q_lens, list(range(B)), self.device,
                          positions=torch.tensor(positions) if any_tree else None,
                          tree_masks=[t.attention_mask() if t else None for t in trees] if any_tree else None)
-        logits, _ = self.model(torch.tensor(ids, device=self.device), step, self.kv)
+        logits, hidden = self.model(torch.tensor(ids, device=self.device), step, self.kv,
+                                    hidden_layers=self.hidden_layer if self.capture else ())
         t2 = time.perf_counter()
-        emitted = self._sample_and_append(running, logits) if not any_tree else self._verify(running, trees, logits, cache_lens, q_lens)
+        h = hidden[self.hidden_layer[0]] if self.capture else None
+        if not any_tree:
+            if h is not None:
+                for b, s in enumerate(running):
+                    s.hidden.append(h[b : b + 1])
+            emitted = self._sample_and_append(running, logits)
+        else:
+            emitted = self._verify(running, trees, logits, cache_lens, q_lens, h)
         t3 = time.perf_counter()
         drafted = sum(len(t) for t in trees if t)
         if self.selector is not None:
@@ -324,21 +354,35 @@ class Engine:
     def _propose(self, running: list[Sequence], arm: Arm) -> list[DraftTree | None]:
         drafter = self.drafters[arm.drafter]
         V = self.model.config.vocab_size
-        trees: list[DraftTree | None] = []
-        for s in running:
-            room = s.max_tokens - len(s.output_ids) - 1  # never draft past max_tokens (or the reserved KV)
-            budget, depth = min(arm.budget, room), min(s.spec_depth, room)
-            tree = None
-            if budget > 0 and depth > 0:
+        rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens (or the KV)
+        budgets = [max(min(arm.budget, r), 0) for r in rooms]
+        depths = [max(min(s.spec_depth, r), 0) for s, r in zip(running, rooms)]
+        if hasattr(drafter, "propose_batch"):
+            try:
+                trees = drafter.propose_batch(running, budgets, depths)
+            except Exception as e:  # a failing drafter costs this step its drafts, nothing else
+                log.warning("drafter %s failed on a batch of %d: %s", arm.drafter, len(running), e)
+                trees = [None] * len(running)
+        else:
+            trees = []
+            for s, budget, depth in zip(running, budgets, depths):
+                tree = None
+                if budget > 0 and depth > 0:
+                    try:
+                        tree = drafter.propose(s, budget, depth)
+                    except Exception as e:  # a drafter failing on one sequence costs it its draft, nothing else
+                        log.warning("drafter %s failed on request %d: %s", arm.drafter, s.prompt_index, e)
+                trees.append(tree)
+        for i, (s, tree) in enumerate(zip(running, trees)):
+            if tree is not None:
                 try:
-                    tree = drafter.propose(s, budget, depth)
-                    if tree is not None:
-                        tree.validate(V)
-                except Exception as e:  # a drafter failing on one sequence costs it its draft, nothing else
-                    log.warning("drafter %s failed on request %d: %s", arm.drafter, s.prompt_index, e)
-                    tree = None
-            trees.append(tree)
-        return trees
+                    if len(tree) > budgets[i]:
+                        raise ValueError(f"{len(tree)} nodes over the budget of {budgets[i]}")
+                    tree.validate(V)
+                except Exception as e:
+                    log.warning("drafter %s gave request %d a bad tree: %s", arm.drafter, s.prompt_index, e)
+                    trees[i] = None
+        return [t if t else None for t in trees]
 
     def _shadow_drafts(self, running: list[Sequence], arm: Arm, per_step: int = 8) -> None:
         """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
@@ -349,10 +393,12 @@ class Engine:
         max_budget = max(self.config.spec.budgets)
         start = self._shadow_cursor % len(running)
         self._shadow_cursor += per_step
-        for s in (running[start:] + running[:start])[:per_step]:
+        for i, s in enumerate((running[start:] + running[:start])[:per_step]):
             if s.finished:
                 continue
             for name in others:
+                if i >= getattr(self.drafters[name], "shadow_seqs", per_step):
+                    continue
                 pending = s.spec.get(("shadow", name))
                 if pending is not None:
                     at, path = pending
@@ -365,7 +411,8 @@ class Engine:
                         pending = None
                 if pending is None:
                     try:
-                        tree = self.drafters[name].propose(s, max_budget, self.config.spec.max_depth)
+                        depth = self.config.spec.max_depth if not hasattr(self.drafters[name], "propose_batch") else self.config.spec.init_depth
+                        tree = self.drafters[name].propose(s, max_budget, depth)
                     except Exception:
                         tree = None
                     path = tree.top_path() if tree else []
@@ -375,7 +422,7 @@ class Engine:
                         s.spec.pop(("shadow", name), None)
                         self.selector.record_shadow(name, 0, 0)
 
-    def _verify(self, running, trees, logits, cache_lens, q_lens) -> int:
+    def _verify(self, running, trees, logits, cache_lens, q_lens, hidden=None) -> int:
         params = [s.params for s, q in zip(running, q_lens) for _ in range(q)]
         logp = warped_logprobs(logits, *warp_tensors(params, self.device))
         emitted, offset = 0, 0
@@ -395,6 +442,9 @@ class Engine:
                     self.kv.move(s.slot, src, dst)
                 full = bool(accepted) and not tree.children(accepted[-1])
                 s.spec_depth = min(2 * s.spec_depth, spec.max_depth) if full else max(s.spec_depth // 2, spec.min_depth)
+            if hidden is not None:  # the verified path's hidden states: the root, then the accepted nodes
+                rows = [offset - q] + [offset - q + 1 + a for a in accepted]
+                s.hidden.append(hidden[torch.tensor(rows, device=hidden.device)])
             n = self._append(s, verdict_tokens, verdict_lps)
             emitted += n
             if tree is not None:

@@ -21,6 +21,7 @@ class KVCache:
         self.v: list[torch.Tensor] = []
         self.slots = 0
         self.capacity = 0
+        self.mirrors: list[KVCache] = []  # caches in the same slots (a draft head's): copies apply to them too
 
     def fits(self, num_slots: int, max_len: int) -> bool:
         return num_slots * max_len <= self.budget_tokens
@@ -51,6 +52,11 @@ class KVCache:
         for store in (self.k, self.v):
             for t in store:
                 t[dst, :, dst_offset : dst_offset + length] = t[src, :, src_offset : src_offset + length]
+        for m in self.mirrors:
+            if src < m.slots and m.capacity:
+                m.ensure(max(dst + 1, m.slots), 1)
+                n = max(min(length, m.capacity - dst_offset, m.capacity - src_offset), 0)
+                m.copy(src, dst, n, dst_offset, src_offset)
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Moves tokens within a slot (the accepted path of a draft tree to its final positions)."""

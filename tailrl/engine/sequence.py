@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from .sampling import SamplingParams
 
 
@@ -20,9 +22,12 @@ class Completion:
     error: str | None = None
     timing: dict = field(default_factory=dict)  # queue_s, ttft_s, total_s
     stats: dict = field(default_factory=dict)
+    # the target's last hidden state at every position but the last token, [prompt + output - 1, H], when the
+    # engine captures them (for drafter training)
+    hidden_states: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "hidden_states"}
 
 
 @dataclass
@@ -51,11 +56,22 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     per_drafter: dict = field(default_factory=dict)  # drafter -> [drafted, accepted]
+    hidden: list = field(default_factory=list)  # chunks of the target's last hidden states, one row per cached token
 
     @property
     def cache_len(self) -> int:
         """Tokens whose K/V are in the cache: the prompt and every output token but the last sampled one."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def hidden_rows(self, start: int, end: int):
+        """Rows start..end-1 of the captured hidden states (positions in prompt + output)."""
+        rows, pos = [], 0
+        for chunk in self.hidden:
+            n = chunk.shape[0]
+            if pos + n > start and pos < end:
+                rows.append(chunk[max(start - pos, 0) : end - pos])
+            pos += n
+        return torch.cat(rows) if len(rows) != 1 else rows[0]
 
     @property
     def reserved_len(self) -> int:
@@ -84,6 +100,7 @@ class Sequence:
                 "ttft_s": self.t_first - t0 if self.t_first else None,
                 "total_s": self.t_finish - t0 if self.t_finish else None,
             },
+            hidden_states=self.hidden_rows(0, self.cache_len) if self.hidden and self.cache_len > 0 else None,
             stats={
                 "decode_steps": self.decode_steps,
                 "drafted": self.drafted,

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 
 from ..config import Config, to_dict
+from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
+from ..drafter.propose import LearnedDrafter
+from ..drafter.train import DrafterTrainer, SpotTrainer
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..metrics import MetricsWriter
 from ..model import load_model, save_pretrained
@@ -59,8 +62,12 @@ class Trainer:
         self.policy.requires_grad_(True)
         self.ref = copy.deepcopy(self.policy).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         r = cfg.rollout
+        self.head, self.drafter_trainer, self.spot = self._build_drafter()
         self.engine = Engine(self.policy, self.tokenizer, EngineConfig(
-            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec))
+            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec),
+            learned=LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None)
+        self.threads = torch.get_num_threads()
+        self.last_step_s = 0.0
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.train_set = self._fit_prompts(self.train_set, "train")
         self.eval_set = self._fit_prompts(self.eval_set, "eval")
@@ -70,6 +77,36 @@ class Trainer:
         self.rewards = RewardRunner(cfg.reward.functions, cfg.reward.weights, cfg.reward.timeout_s)
         self.step = 0
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _build_drafter(self):
+        """The learned drafter: the engine's head (drafts), a trainer with its own copy (online training when
+        drafter.spot is on; otherwise the head stays as loaded: a frozen drafter)."""
+        d = self.cfg.drafter
+        if not (d.enabled or d.path):
+            return None, None, None
+        if d.path:
+            head = load_drafter(d.path, self.policy)
+        else:
+            head = EagleDrafter(self.policy.config).to(device=self.policy.device, dtype=self.policy.dtype).bind(self.policy)
+        trainer = DrafterTrainer(head, d, seed=self.cfg.trainer.seed) if d.spot else None
+        spot = SpotTrainer(trainer, d) if trainer is not None else None
+        return head, trainer, spot
+
+    def _on_engine_step(self, running, done) -> None:
+        """During a rollout: feed finished sequences to the drafter buffer; run the spot trainer while at most
+        drafter.spot_batch sequences are left (the long tail), on threads taken from the rollout."""
+        for s in done:
+            if s.finish_reason != "error" and s.hidden:
+                self.drafter_trainer.buffer.add(s.prompt_ids, s.output_ids, s.hidden_rows(0, s.cache_len), self.step)
+        tail = 0 < len(running) <= self.cfg.drafter.spot_batch
+        if tail and not self.spot.running and self.spot.resume():
+            torch.set_num_threads(max(self.threads - self.cfg.drafter.spot_threads, 1))
+        elif not tail and self.spot.running:
+            self._stop_spot()
+
+    def _stop_spot(self) -> None:
+        self.spot.pause(wait=True)
+        torch.set_num_threads(self.threads)
 
     def _fit_prompts(self, examples: list[Example], split: str) -> list[Example]:
         keep = []
@@ -90,7 +127,16 @@ class Trainer:
         r = self.cfg.rollout
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                  top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
-        return self.engine.generate([ex.ids for ex in examples], params)
+        if self.spot is None:
+            return self.engine.generate([ex.ids for ex in examples], params)
+        self.drafter_trainer.model.sync_head()
+        self.spot.begin_step(step, self.last_step_s)
+        self.engine.on_step = self._on_engine_step
+        try:
+            return self.engine.generate([ex.ids for ex in examples], params)
+        finally:
+            self.engine.on_step = None
+            self._stop_spot()
 
     def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict]:
         prompts = [examples[c.prompt_index].prompt for c in comps]
@@ -211,6 +257,7 @@ class Trainer:
         metrics.update(self.update(batch, adv, timing))
         t = time.perf_counter()
         push_weights(self.policy, self.engine.model)
+        metrics.update(self._drafter_sync())
         timing["timing_s/sync"] = time.perf_counter() - t
         lens = torch.tensor([len(c.token_ids) for c in comps], dtype=torch.float)
         st = comps.stats
@@ -229,9 +276,25 @@ class Trainer:
             t = time.perf_counter()
             metrics.update(self.evaluate())
             timing["timing_s/eval"] = time.perf_counter() - t
-        timing["timing_s/step"] = time.perf_counter() - t_step
+        timing["timing_s/step"] = self.last_step_s = time.perf_counter() - t_step
         metrics.update(timing)
         return metrics
+
+    def _drafter_sync(self) -> dict:
+        """Between steps: the trained head's weights (and, once known, its draft vocabulary) go to the engine,
+        and both heads re-read the policy's new LM head rows."""
+        if self.head is None:
+            return {}
+        if self.drafter_trainer is None:
+            self.head.sync_head()
+            return {}
+        tr = self.drafter_trainer
+        tr.maybe_set_vocab(None, self.policy.config.eos_token_id)
+        tr.publish(self.head)
+        m = {"drafter/train_steps": tr.steps, "drafter/spot_steps": self.spot.steps_this_rl_step,
+             "drafter/spot_s": self.spot.used_s, "drafter/buffer_tokens": tr.buffer.tokens}
+        m.update({k: v for k, v in tr.last.items() if k.startswith("drafter/")})
+        return m
 
     # ---- checkpoints -----------------------------------------------------------------------------------
 
@@ -243,7 +306,10 @@ class Trainer:
         save_pretrained(self.policy, tmp / "model", self.tokenizer)
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
-                 "history": self.engine.drafters["history"].state_dict() if "history" in self.engine.drafters else None}
+                 "history": self.engine.drafters["history"].state_dict() if "history" in self.engine.drafters else None,
+                 "drafter": self.drafter_trainer.state_dict() if self.drafter_trainer is not None else None}
+        if self.head is not None:
+            save_drafter(self.head, tmp / "drafter", meta={"rl_step": self.step})
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "config.json").write_text(json.dumps(to_dict(self.cfg), indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -273,6 +339,14 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         if state.get("history") is not None and "history" in self.engine.drafters:
             self.engine.drafters["history"].load_state_dict(state["history"])
+        if self.head is not None and (ckpt / "drafter").is_dir():
+            saved = load_drafter(ckpt / "drafter")
+            self.head.set_vocab(saved.vocab)
+            self.head.fc.load_state_dict(saved.fc.state_dict())
+            self.head.layer.load_state_dict(saved.layer.state_dict())
+            self.head.sync_head()
+        if state.get("drafter") is not None and self.drafter_trainer is not None:
+            self.drafter_trainer.load_state_dict(state["drafter"])
         log.info("resumed from %s at step %d", ckpt, self.step)
         return True
 
@@ -303,6 +377,8 @@ def train(cfg: Config, console=None) -> Path:
         view.close()
         writer.close()
         trainer.rewards.close()
+        if trainer.spot is not None:
+            trainer.spot.close()
     return trainer.out
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("off", "auto", "history", "ngram")
+MODES = ("off", "auto", "history", "ngram", "learned")
 
 
 @dataclass
 class SpecConfig:
-    mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram (always that drafter)
+    mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram | learned (always that drafter)
     budgets: tuple[int, ...] = (1, 2, 4, 8, 16)  # draft tokens per sequence the selector chooses among
     max_depth: int = 16  # per-request adaptive draft depth: doubles on full acceptance, halves on rejection
     init_depth: int = 4
@@ -44,4 +44,6 @@ class SpecConfig:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        return {"off": (), "auto": ("history", "ngram"), "history": ("history",), "ngram": ("ngram",)}[self.mode]
+        """The model-free drafters of the mode (the engine adds the learned one when it has it)."""
+        return {"off": (), "auto": ("history", "ngram"), "history": ("history",), "ngram": ("ngram",),
+                "learned": ()}[self.mode]

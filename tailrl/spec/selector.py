@@ -88,15 +88,16 @@ class Rate:
 class Selector:
     margin = 1.05  # speculate only where the model expects at least this gain over plain decoding
 
-    def __init__(self, cfg: SpecConfig, alpha: float = 0.2):
+    def __init__(self, cfg: SpecConfig, drafters: list[str] | None = None, alpha: float = 0.2):
         self.cfg = cfg
-        self.drafter_arms = [Arm(d, b) for d in cfg.drafters for b in cfg.budgets]
+        drafters = list(cfg.drafters if drafters is None else drafters)
+        self.drafter_arms = [Arm(d, b) for d in drafters for b in cfg.budgets]
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()
         self.accept = {a: Rate() for a in self.drafter_arms}  # shadow drafts measure it even while unused
         self.drafted = {a: Rate() for a in self.drafter_arms}
-        self.draft_cost = {d: 0.0 for d in cfg.drafters}  # seconds per sequence proposal
+        self.draft_cost = {d: 0.0 for d in drafters}  # seconds per sequence proposal
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 

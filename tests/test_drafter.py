@@ -1,0 +1,285 @@
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from tailrl.drafter import DrafterConfig, EagleDrafter, load_drafter, save_drafter
+from tailrl.drafter.buffer import DraftBuffer
+from tailrl.drafter.offline import collect, split, train_epochs
+from tailrl.drafter.propose import LearnedDrafter
+from tailrl.drafter.train import DrafterTrainer, SpotTrainer
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.spec.config import SpecConfig
+from tests.stats import chisquare_pvalue
+from tests.test_spec import CHATS, assert_same_or_tie, exact_joint, tiny_peaked  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    from tailrl.model import load_model
+    from tests.conftest import make_tiny_chat_model
+
+    return load_model(str(make_tiny_chat_model(tmp_path_factory.mktemp("tinylm"))), device="cpu", dtype=torch.float32)
+
+
+def trained_head(model, tok, prompts, cfg, n=4, max_tokens=16, steps=3, seed=0):
+    buffer = collect(model, tok, prompts, n, max_tokens, 1.0, seed)
+    head = EagleDrafter(model.config).to(dtype=model.dtype).bind(model)
+    trainer = DrafterTrainer(head, cfg, seed=seed)
+    train_epochs(trainer, list(buffer.items), steps, seed)
+    trainer.publish(head)
+    return head
+
+
+def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):  # noqa: F811
+    """Rollouts drafted by a (briefly trained) EAGLE head with draft probabilities q, verified by rejection
+    sampling, against the exact distribution of 4-token continuations; chi-square at significance 0.001."""
+    D, N = 4, 3000
+    prompt = [1, 2, 3, 1]
+    cfg = DrafterConfig(draft_vocab=0, topk=2, min_prob=0.0, batch_tokens=64)
+    head = trained_head(tiny_peaked, None, [[1, 2, 3, 1], [3, 2, 1, 0], [0, 1, 1, 2]], cfg, n=16, max_tokens=8)
+    params = SamplingParams(temperature=0.9, max_tokens=D, n=N, seed=5, ignore_eos=True)
+    joint = exact_joint(tiny_peaked, prompt, params, D)
+    eng = Engine(tiny_peaked, None, EngineConfig(kv_cache_gb=0.5, spec=SpecConfig(mode="learned", budgets=(3,))),
+                 learned=LearnedDrafter(head, cfg))
+    outs = eng.generate([prompt], params)
+    drafted = sum(o.stats["drafted"] for o in outs)
+    accepted = sum(o.stats["accepted"] for o in outs)
+    assert accepted > N // 4 and accepted < drafted, "the test needs both accepted and rejected drafts"
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert chisquare_pvalue(counts, joint) > 1e-3, "rollouts with learned drafts do not follow the policy"
+
+
+@pytest.mark.parametrize("mode", ["learned", "auto"])
+def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
+    model, tok = smollm
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
+    head = EagleDrafter(model.config, torch.arange(2000)).bind(model)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=mode, epsilon=0.3)),
+                 learned=LearnedDrafter(head, DrafterConfig(topk=3)))
+    for _ in range(2):
+        outs = eng.generate(CHATS, params)
+        for ref, out in zip(plain, outs):
+            assert_same_or_tie(model, ref, out, params, 1e-5)
+    if mode == "learned":
+        assert sum(o.stats.get("drafted/learned", 0) for o in outs) > 0
+    else:  # auto offers the learned and merged drafters to the selector next to the model-free ones
+        assert {"learned", "history+learned"} <= {a.drafter for a in eng.selector.arms}
+
+
+def test_engine_captures_the_target_hidden_states(smollm):
+    model, tok = smollm
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, capture_hidden=True, spec=SpecConfig(mode="history", min_match=1)))
+    params = SamplingParams(temperature=0, max_tokens=12)
+    eng.generate(CHATS[:2], params)
+    out = eng.generate(CHATS[:2], params)[0]  # second epoch: verification passes with accepted drafts
+    ids = torch.tensor(out.prompt_token_ids + out.token_ids)
+    with torch.no_grad():
+        _, hidden = model.forward_full(ids[None], hidden_layers=(model.config.num_hidden_layers,))
+    ref = hidden[model.config.num_hidden_layers][0, :-1]
+    assert out.hidden_states.shape == ref.shape
+    assert torch.allclose(out.hidden_states, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_training_raises_top1_accuracy_on_held_out_prompts(smollm):
+    """Fixed target and seed: the head trained on 24 prompts predicts the target's next token better on 6
+    prompts it never saw (accuracy is top-1 agreement with the target over the draft vocabulary)."""
+    from tailrl.rl.data import chat_prompt
+    from tailrl.rl.tasks import make_rows
+
+    model, tok = smollm
+    torch.manual_seed(0)
+    prompts = [chat_prompt(r["prompt"]) for r in make_rows("arithmetic", 30, 3)]
+    buffer = collect(model, tok, prompts, 2, 40, 0.7, seed=0)
+    train, held = split(list(buffer.items), 0.2, seed=0)
+    assert len(held) >= 8 and not {tuple(s.tokens[: s.prompt_len]) for s in held} & {tuple(s.tokens[: s.prompt_len]) for s in train}
+    from tailrl.drafter.eagle import choose_vocab
+
+    vocab = choose_vocab(buffer.token_counts(model.config.vocab_size), 1024, model.config.eos_token_id)
+    head = EagleDrafter(model.config, vocab).bind(model)
+    trainer = DrafterTrainer(head, DrafterConfig(batch_tokens=512, lr=5e-4, warmup_steps=5), seed=0)
+    before = trainer.evaluate(held)
+    train_epochs(trainer, train, 4, seed=0)
+    after = trainer.evaluate(held)
+    assert after["drafter/top1_acc"] > before["drafter/top1_acc"] + 0.15, (before, after)
+    assert after["drafter/loss"] < before["drafter/loss"]
+
+
+def _tiny_buffer(model, tok, steps=(0, 1)) -> DraftBuffer:
+    buffer = DraftBuffer(max_tokens=100_000, steps=2)
+    for step in steps:
+        eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2, capture_hidden=True, seed=step))
+        buffer.add_completions(eng.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(n=4, max_tokens=12, seed=step, ignore_eos=True)), step)
+    return buffer
+
+
+def test_spot_training_pauses_promptly_and_never_touches_a_running_rollout(tiny_lm):
+    model, tok = tiny_lm
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0)
+    head = EagleDrafter(model.config).bind(model)
+    trainer = DrafterTrainer(head, cfg, buffer=_tiny_buffer(model, None))
+    spot = SpotTrainer(trainer, cfg)
+    spot.begin_step(1, last_step_s=1000.0)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
+    plain = Engine(model, None, EngineConfig(kv_cache_gb=0.2)).generate(prompts, params)
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=SpecConfig(mode="learned")), learned=LearnedDrafter(head, cfg))
+    try:
+        assert spot.resume()
+        outs = eng.generate(prompts, params)  # drafting from `head` while the trainer updates its own copy
+        time.sleep(0.3)
+        t = time.perf_counter()
+        assert spot.pause(wait=True, timeout=10)
+        waited = time.perf_counter() - t
+        steps = trainer.steps
+        time.sleep(0.3)
+        assert trainer.steps == steps, "the spot trainer kept training after pause()"
+        assert steps > 0
+        assert waited < 5.0, f"pause took {waited:.2f}s"
+    finally:
+        spot.close()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items()), "the engine's head changed mid-rollout"
+    trainer.publish(head)
+    assert not all(torch.equal(before[k], v) for k, v in head.state_dict().items()), "publish copied nothing"
+
+
+def test_spot_trainer_respects_its_time_share(tiny_lm):
+    model, _ = tiny_lm
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=0.01)
+    trainer = DrafterTrainer(EagleDrafter(model.config).bind(model), cfg, buffer=_tiny_buffer(model, None))
+    spot = SpotTrainer(trainer, cfg)
+    spot.begin_step(1, last_step_s=10.0)  # 0.1 s of training allowed this step
+    try:
+        spot.resume()
+        deadline = time.time() + 20
+        while spot.running and time.time() < deadline:
+            time.sleep(0.05)
+        assert not spot.running, "the spot trainer did not stop at its share"
+        assert 0.1 <= spot.used_s < 0.1 + 5.0
+        assert not spot.resume(), "the share is spent until the next step"
+    finally:
+        spot.close()
+
+
+def test_buffer_one_step_offset_sampling_and_bound(tiny_lm):
+    model, _ = tiny_lm
+    buffer = _tiny_buffer(model, None, steps=(0, 1, 2))
+    rng = random.Random(0)
+    picked = buffer.sample(400, rng, step=2)
+    steps = {s.step for s in picked}
+    assert steps == {1, 2}, "half from the current step, half from the previous one; step 0 is too old"
+    small = DraftBuffer(max_tokens=100, steps=2)
+    for s in list(buffer.items):
+        small.add(s.tokens[: s.prompt_len], s.tokens[s.prompt_len :], s.hidden, s.step)
+    assert small.tokens <= 100 and small.items[-1].step == 2
+
+
+def test_export_then_reload_gives_identical_drafts(smollm, tmp_path):
+    from tailrl.cli import main
+
+    model, tok = smollm
+    torch.manual_seed(1)
+    head = EagleDrafter(model.config, torch.arange(0, 3000, 2)).bind(model)
+    with torch.no_grad():
+        for p in head.trainable():
+            p.add_(0.02 * torch.randn_like(p))
+    save_drafter(head, tmp_path / "native")
+    assert main(["drafter", "export", str(tmp_path / "native"), "--out", str(tmp_path / "eagle")]) == 0
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "eagle" / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= keys
+    assert not any("input_layernorm" in k or "lm_head" in k or "embed" in k for k in keys)
+    assert torch.equal(torch.load(tmp_path / "eagle" / "hot_token_ids.pt"), head.vocab)
+    again = load_drafter(tmp_path / "eagle", model)
+    params = SamplingParams(temperature=0.8, max_tokens=20, n=2, seed=3)
+    trees = []
+    for h in (head, again):
+        drafter = LearnedDrafter(h, DrafterConfig(topk=3))
+        eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="learned", budgets=(6,))), learned=drafter)
+        got = []
+        orig = drafter.propose_batch
+
+        def spy(seqs, budgets, depths, orig=orig, got=got):
+            out = orig(seqs, budgets, depths)
+            got.extend((t.tokens, t.parents, {k: v.clone() for k, v in t.q.items()}) if t else None for t in out)
+            return out
+
+        drafter.propose_batch = spy
+        eng.generate(CHATS[:2], params)
+        trees.append(got)
+    assert len(trees[0]) == len(trees[1]) > 0
+    for a, b in zip(*trees):
+        assert (a is None) == (b is None)
+        if a:
+            assert a[0] == b[0] and a[1] == b[1]
+            assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
+
+
+def test_drafter_config_errors_name_the_problem():
+    from tailrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="drafter.topk"):
+        load_config(None, ["drafter.topk=0"])
+    with pytest.raises(ConfigError, match="spec.mode=learned"):
+        load_config(None, ["rollout.spec.mode=learned"])
+    with pytest.raises(ConfigError, match="unknown config key 'drafter.nope'"):
+        load_config(None, ["drafter.nope=1"])
+    with pytest.raises(FileNotFoundError, match="not a drafter folder"):
+        load_drafter("/nonexistent/drafter")
+
+
+def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
+    """The engine hook path: pause from another thread while the trainer runs never hangs."""
+    model, _ = tiny_lm
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0)
+    trainer = DrafterTrainer(EagleDrafter(model.config).bind(model), cfg, buffer=_tiny_buffer(model, None))
+    spot = SpotTrainer(trainer, cfg)
+    spot.begin_step(1, 1000.0)
+    try:
+        results = []
+        for _ in range(5):
+            spot.resume()
+            time.sleep(0.05)
+            th = threading.Thread(target=lambda: results.append(spot.pause(wait=True, timeout=10)))
+            th.start()
+            th.join(15)
+            assert not th.is_alive()
+        assert all(results)
+    finally:
+        spot.close()
+
+
+def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
+    from tailrl.rl.trainer import Trainer, train
+    from tests.conftest import make_tiny_chat_model
+    from tests.test_trainer import tiny_cfg
+
+    model_dir = str(make_tiny_chat_model(tmp_path / "m"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i} + {i} =", "answer": str(2 * i)}) for i in range(32)))
+    extra = ["drafter.enabled=true", "drafter.draft_vocab=0", "drafter.spot_batch=64", "drafter.spot_share=1.0",
+             "drafter.batch_tokens=64", "rollout.max_tokens=12"]
+    out = train(tiny_cfg(model_dir, str(data), tmp_path / "run", "trainer.steps=2", *extra))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["drafter/train_steps"] > 0 and "drafter/top1_acc" in last and "drafter/loss" in last
+    assert any(k.startswith("spec/accept_length/") for k in last)
+    ckpt = out / "checkpoints" / "step_000002" / "drafter"
+    assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors").is_file()
+    resumed = Trainer(tiny_cfg(model_dir, str(data), tmp_path / "run", "trainer.steps=3", "trainer.resume=true", *extra))
+    assert resumed.resume() and resumed.step == 2
+    saved = load_drafter(ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(saved.fc.state_dict().values(), resumed.head.fc.state_dict().values()))
+    assert resumed.drafter_trainer.steps == last["drafter/train_steps"]
+    resumed.rewards.close()
