@@ -36,7 +36,7 @@ class _Node:
 
 class LearnedDrafter:
     name = "learned"
-    shadow_seqs = 1  # shadow drafts cost head forwards: measure on one sequence per step
+    shadow_seqs, shadow_every = 1, 4  # shadow drafts cost head forwards: one sequence every 4th step
 
     def __init__(self, head: EagleDrafter, cfg: DrafterConfig | None = None):
         self.head = head
@@ -226,7 +226,7 @@ class MergedDrafter:
     tree per sequence from whichever source applies, so the verifier's lossless rules hold unchanged."""
 
     name = "history+learned"
-    shadow_seqs = 1
+    shadow_seqs, shadow_every = 1, 4
 
     def __init__(self, history, learned: LearnedDrafter, min_len: int = 2):
         self.history, self.learned, self.min_len = history, learned, min_len

@@ -74,8 +74,11 @@ def draft_loss(head: EagleDrafter, batch: dict, cfg: DrafterConfig) -> tuple[tor
     loss = cfg.hidden_weight * l_h + cfg.ce_weight * l_ce
     with torch.no_grad():
         acc = ((logq.argmax(-1) == tgt_logits.argmax(-1)).float() * m).sum() / denom
+        # chance that one draft token sampled from q is accepted against p at temperature 1 (within the draft vocab)
+        accept = ((torch.minimum(p, logq.exp()).sum(-1)) * m).sum() / denom
     return loss, {"drafter/loss": float(loss.detach()), "drafter/hidden_loss": float(l_h.detach()),
-                  "drafter/ce_loss": float(l_ce.detach()), "drafter/top1_acc": float(acc), "tokens": int(m.sum())}
+                  "drafter/ce_loss": float(l_ce.detach()), "drafter/top1_acc": float(acc),
+                  "drafter/accept_prob": float(accept), "tokens": int(m.sum())}
 
 
 class DrafterTrainer:
@@ -92,20 +95,41 @@ class DrafterTrainer:
         self.last: dict = {}
         self.lock = threading.Lock()
 
-    def train_step(self, samples: list[DraftSample]) -> dict:
+    def train_step(self, samples: list[DraftSample], micro_tokens: int = 0, stop=None) -> dict | None:
+        """One optimizer step over samples, accumulated over micro-batches of about micro_tokens positions
+        (0: one batch). `stop()` is checked between micro-batches: when it says so the step is dropped and
+        None returned, so a caller that needs the cores back waits for one micro-batch at most."""
+        groups, cur, n = [], [], 0
+        for s in samples:
+            cur.append(s)
+            n += s.train_positions
+            if micro_tokens and n >= micro_tokens:
+                groups.append(cur)
+                cur, n = [], 0
+        if cur:
+            groups.append(cur)
+        total = max(sum(s.train_positions for s in samples), 1)
         with self.lock:
             self.model.train()
             p = self.model.fc.weight
-            batch = make_batch(samples, self.cfg.max_window, p.device, p.dtype)
-            loss, info = draft_loss(self.model, batch, self.cfg)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            sums: dict = {}
+            for group in groups:
+                if stop is not None and stop():
+                    self.opt.zero_grad(set_to_none=True)
+                    return None
+                batch = make_batch(group, self.cfg.max_window, p.device, p.dtype)
+                loss, info = draft_loss(self.model, batch, self.cfg)
+                w = info["tokens"] / total
+                (loss * w).backward()
+                for k, v in info.items():
+                    sums[k] = sums.get(k, 0.0) + (v if k == "tokens" else v * w)
             torch.nn.utils.clip_grad_norm_(self.model.trainable(), self.cfg.grad_clip)
             self.opt.step()
             self.sched.step()
             self.steps += 1
-            self.last = info
-            return info
+            self.last = sums
+            return sums
 
     @torch.no_grad()
     def evaluate(self, samples: list[DraftSample], chunk: int = 16) -> dict:
@@ -168,8 +192,9 @@ class DrafterTrainer:
 
 class SpotTrainer:
     """Background drafter training for the rollout's long tail. `resume()` lets it run, `pause()` stops it
-    after at most the optimizer step in progress (and waits for that), and it stops by itself once it has
-    used `cfg.spot_share` of the previous RL step's time. It trains on its own threads (cfg.spot_threads)."""
+    after at most the micro-batch in progress (and waits for that; a partly accumulated step is dropped), and
+    it stops by itself before it would exceed `cfg.spot_share` of the previous RL step's time. It trains on
+    its own threads (cfg.spot_threads)."""
 
     def __init__(self, trainer: DrafterTrainer, cfg: DrafterConfig):
         self.trainer, self.cfg = trainer, cfg
@@ -182,6 +207,7 @@ class SpotTrainer:
         self.allowed_s = 0.0
         self.used_s = 0.0
         self.steps_this_rl_step = 0
+        self.last_step_s = 0.0
         self.error: str | None = None
 
     def begin_step(self, rl_step: int, last_step_s: float) -> None:
@@ -195,7 +221,7 @@ class SpotTrainer:
         return self._go.is_set()
 
     def resume(self) -> bool:
-        if self.used_s >= self.allowed_s or not self.trainer.buffer.items or self.error:
+        if self.used_s + self.last_step_s > self.allowed_s or not self.trainer.buffer.items or self.error:
             return False
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tailrl-spot-trainer", daemon=True)
@@ -228,11 +254,15 @@ class SpotTrainer:
                     continue
                 t = time.perf_counter()
                 samples = self.trainer.buffer.sample(self.cfg.batch_tokens, self.trainer.rng, self.rl_step)
+                done = None
                 if samples:
-                    self.trainer.train_step(samples)
-                    self.steps_this_rl_step += 1
-                self.used_s += time.perf_counter() - t
-                if self.used_s >= self.allowed_s or not samples:
+                    done = self.trainer.train_step(samples, self.cfg.spot_micro_tokens, stop=lambda: not self._go.is_set())
+                    self.steps_this_rl_step += done is not None
+                took = time.perf_counter() - t
+                self.used_s += took
+                self.last_step_s = took if done is not None else self.last_step_s
+                # stop before a step that would run over the share
+                if self.used_s + self.last_step_s > self.allowed_s or not samples:
                     self._go.clear()
             except Exception as e:  # a failing drafter step must not take the RL run down
                 log.warning("spot drafter training failed and is off for this run: %s", e)

@@ -32,6 +32,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096
     seed: int = 0
+    tail_batch: int = 4  # the long tail (for stats): at most max(tail_batch, tail_frac x requests) sequences running
+    tail_frac: float = 0.3
     capture_hidden: bool = False  # keep the target's last hidden states per token (drafter training data)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
@@ -66,7 +68,8 @@ class GenerateStats:
     choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
     by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
     plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
-    tail_tokens: int = 0  # decode tokens and seconds while <= 4 sequences run (the long tail)
+    tail_batch: int = 4  # decode tokens and seconds while at most this many sequences run (the long tail)
+    tail_tokens: int = 0
     tail_s: float = 0.0
 
     @property
@@ -228,6 +231,7 @@ class Engine:
                 for s in group:
                     s.finish("error", str(e))
             all_seqs.extend(group)
+        stats.tail_batch = max(self.config.tail_batch, int(self.config.tail_frac * len(all_seqs)))
         bar = None
         if progress:
             from tqdm import tqdm
@@ -338,7 +342,7 @@ class Engine:
         cell = stats.by_bucket.setdefault(batch_bucket(B), [0, 0.0])
         cell[0] += emitted
         cell[1] += t3 - t0
-        if B <= 4:
+        if B <= stats.tail_batch:
             stats.tail_tokens += emitted
             stats.tail_s += t3 - t0
         if self.selector is not None:
@@ -393,11 +397,13 @@ class Engine:
         max_budget = max(self.config.spec.budgets)
         start = self._shadow_cursor % len(running)
         self._shadow_cursor += per_step
+        tick = self._shadow_cursor // per_step
         for i, s in enumerate((running[start:] + running[:start])[:per_step]):
             if s.finished:
                 continue
             for name in others:
-                if i >= getattr(self.drafters[name], "shadow_seqs", per_step):
+                d = self.drafters[name]  # drafters whose proposals cost forwards shadow on fewer sequences and steps
+                if i >= getattr(d, "shadow_seqs", per_step) or tick % getattr(d, "shadow_every", 1):
                     continue
                 pending = s.spec.get(("shadow", name))
                 if pending is not None:

@@ -98,7 +98,8 @@ class Trainer:
         for s in done:
             if s.finish_reason != "error" and s.hidden:
                 self.drafter_trainer.buffer.add(s.prompt_ids, s.output_ids, s.hidden_rows(0, s.cache_len), self.step)
-        tail = 0 < len(running) <= self.cfg.drafter.spot_batch
+        d = self.cfg.drafter
+        tail = 0 < len(running) <= max(d.spot_batch, int(d.spot_frac * self.cfg.rollout.n * self.cfg.trainer.prompts_per_step))
         if tail and not self.spot.running and self.spot.resume():
             torch.set_num_threads(max(self.threads - self.cfg.drafter.spot_threads, 1))
         elif not tail and self.spot.running:
