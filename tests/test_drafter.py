@@ -317,3 +317,35 @@ def test_cli_drafter_errors_name_the_problem(tmp_path, capsys):
     assert "not a drafter folder" in capsys.readouterr().err
     assert main(["generate", "--spec", "learned", "--quiet", "--out", str(tmp_path / "g.jsonl")]) == 2
     assert "--drafter" in capsys.readouterr().err
+
+
+def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
+    """Once the spot trainer has spent its share mid-tail, the rollout gets its threads back at the next step."""
+    from types import SimpleNamespace
+
+    from tailrl.config import Config
+    from tailrl.rl.trainer import Trainer
+
+    class StubSpot:
+        running = False
+
+        def resume(self):
+            self.running = True
+            return True
+
+        def pause(self, wait=True, timeout=None):
+            self.running = False
+            return True
+
+    before = torch.get_num_threads()
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.spot, t.threads, t._lent, t.step = Config(), StubSpot(), 2, False, 0
+    t.drafter_trainer = SimpleNamespace(buffer=DraftBuffer())
+    try:
+        t._on_engine_step([object()] * 2, [])  # the long tail: threads lent
+        assert t._lent and torch.get_num_threads() == 1
+        t.spot.running = False  # the trainer spent its share and stopped by itself
+        t._on_engine_step([object()] * 2, [])
+        assert not t._lent and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

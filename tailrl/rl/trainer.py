@@ -67,6 +67,7 @@ class Trainer:
             kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec),
             learned=LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None)
         self.threads = torch.get_num_threads()
+        self._lent = False  # threads lent to the spot trainer
         self.last_step_s = 0.0
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.train_set = self._fit_prompts(self.train_set, "train")
@@ -100,14 +101,17 @@ class Trainer:
                 self.drafter_trainer.buffer.add(s.prompt_ids, s.output_ids, s.hidden_rows(0, s.cache_len), self.step)
         d = self.cfg.drafter
         tail = 0 < len(running) <= max(d.spot_batch, int(d.spot_frac * self.cfg.rollout.n * self.cfg.trainer.prompts_per_step))
-        if tail and not self.spot.running and self.spot.resume():
+        if tail and not self.spot.running and not self._lent and self.spot.resume():
             torch.set_num_threads(max(self.threads - self.cfg.drafter.spot_threads, 1))
-        elif not tail and self.spot.running:
+            self._lent = True
+        elif self._lent and not (tail and self.spot.running):  # the batch grew, or the trainer spent its share
             self._stop_spot()
 
     def _stop_spot(self) -> None:
+        """Waits for the spot trainer's micro-batch in progress, then gives the rollout its threads back."""
         self.spot.pause(wait=True)
         torch.set_num_threads(self.threads)
+        self._lent = False
 
     def _fit_prompts(self, examples: list[Example], split: str) -> list[Example]:
         keep = []
