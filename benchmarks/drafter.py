@@ -160,9 +160,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default="out/bench_drafter")
+    ap.add_argument("--summary-only", action="store_true", help="print the tables of the runs saved under --out")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
+    if args.summary_only:  # the tables again from the runs saved under --out
+        runs = {n: json.loads((Path(args.out) / n / "bench.json").read_text()) for n in args.configs.split(",")
+                if (Path(args.out) / n / "bench.json").is_file()}
+        args.steps = min(len(r) for r in runs.values())
+        summarize(runs, args)
+        return
     warm = warm_start(Path(args.out), args.warm_prompts, args.warm_epochs, args.seed, args.max_tokens)
 
     print("\ncost of one draft level vs one target decode forward (SmolLM2-135M, draft vocabulary "
@@ -184,6 +191,10 @@ def main() -> None:
             off = next(t for b, n, t, _ in rep_rows if b == B and n == "off")
             print(f"| {B} | {name} | {tps:.1f} | {tps / off:.2f}x | {acc:.2f} |")
 
+    summarize(runs, args)
+
+
+def summarize(runs: dict, args) -> None:
     print("\naccept length per step (tokens per sequence-step, learned drafter's own when present)")
     names = list(runs)
     print("| step | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
@@ -195,8 +206,8 @@ def main() -> None:
         print(f"| {i + 1} | " + " | ".join(cells) + " |")
 
     print("\nsummary (means over steps; ratios against SD off in the same run of this script)")
-    print("| config | accept length | gen s | gen vs off | step s | spot s/step | drafter top-1 | drafter accept prob |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | accept length | rollout tok/s | vs off | gen s | step s | spot s/step | drafter top-1 | drafter accept prob |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = runs.get("off")
 
     def mean(rows, key, default=0.0):
@@ -205,10 +216,10 @@ def main() -> None:
 
     for n in names:
         rows = runs[n]
-        gen = mean(rows, "timing_s/gen")
-        bgen = mean(base, "timing_s/gen") if base else float("nan")
-        print(f"| {n} | {mean(rows, 'spec/accept_length'):.2f} | {gen:.1f} | "
-              f"{bgen / gen:.2f}x | {mean(rows, 'timing_s/step'):.1f} | {mean(rows, 'drafter/spot_s'):.2f} | "
+        tps = mean(rows, "perf/gen_tokens_per_s")  # per token: lossless runs with q-drafts sample other lengths
+        btps = mean(base, "perf/gen_tokens_per_s") if base else float("nan")
+        print(f"| {n} | {mean(rows, 'spec/accept_length'):.2f} | {tps:.1f} | {tps / btps:.2f}x | {mean(rows, 'timing_s/gen'):.1f} | "
+              f"{mean(rows, 'timing_s/step'):.1f} | {mean(rows, 'drafter/spot_s'):.2f} | "
               f"{mean(rows, 'drafter/top1_acc', float('nan')):.3f} | {mean(rows, 'drafter/accept_prob', float('nan')):.3f} |")
     if "online" in runs and "frozen" in runs:
         on, fr = runs["online"], runs["frozen"]
@@ -218,8 +229,7 @@ def main() -> None:
         for n in ("frozen", "online"):
             acc = [r.get("spec/accept_length/learned", 0.0) for r in runs[n]]
             print(f"{n}: accept length step 1 {acc[0]:.2f} -> last {acc[-1]:.2f} ({acc[-1] / acc[0] - 1:+.1%})")
-        share_gen = (mean(on, "timing_s/gen") - mean(fr, "timing_s/gen")) / mean(fr, "timing_s/step")
-        print(f"rollout time online - frozen = {share_gen:+.1%} of the frozen run's step time")
+        print(f"rollout tokens/s online / frozen = {mean(on, 'perf/gen_tokens_per_s') / mean(fr, 'perf/gen_tokens_per_s'):.3f}")
 
 
 if __name__ == "__main__":
