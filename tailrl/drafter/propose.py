@@ -34,9 +34,26 @@ class _Node:
         self.written = -1  # index of its entry among the tree entries in the head's cache
 
 
-class LearnedDrafter:
-    name = "learned"
+class _BatchDrafter:
+    """Drafters that propose for the whole batch at once; per-sequence calls go through the batch path."""
+
     shadow_seqs, shadow_every = 1, 4  # shadow drafts cost head forwards: one sequence every 4th step
+
+    def start(self, seq) -> None:
+        pass
+
+    def accept(self, seq, tokens) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
+        return self.propose_batch([seq], [budget], [depth])[0]
+
+
+class LearnedDrafter(_BatchDrafter):
+    name = "learned"
 
     def __init__(self, head: EagleDrafter, cfg: DrafterConfig | None = None):
         self.head = head
@@ -54,15 +71,6 @@ class LearnedDrafter:
 
     def start(self, seq) -> None:
         seq.spec["learned_len"] = 0
-
-    def accept(self, seq, tokens) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
-
-    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
-        return self.propose_batch([seq], [budget], [depth])[0]
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
@@ -221,27 +229,14 @@ class LearnedDrafter:
         return tree
 
 
-class MergedDrafter:
+class MergedDrafter(_BatchDrafter):
     """History where it has a match (free and long when responses repeat), the learned head elsewhere: one
     tree per sequence from whichever source applies, so the verifier's lossless rules hold unchanged."""
 
     name = "history+learned"
-    shadow_seqs, shadow_every = 1, 4
 
     def __init__(self, history, learned: LearnedDrafter, min_len: int = 2):
         self.history, self.learned, self.min_len = history, learned, min_len
-
-    def start(self, seq) -> None:
-        pass
-
-    def accept(self, seq, tokens) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
-
-    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
-        return self.propose_batch([seq], [budget], [depth])[0]
 
     def propose_batch(self, seqs, budgets, depths):
         out = [self.history.propose(s, b, d) if b > 0 and d > 0 else None for s, b, d in zip(seqs, budgets, depths)]

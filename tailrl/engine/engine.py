@@ -417,8 +417,8 @@ class Engine:
                         pending = None
                 if pending is None:
                     try:
-                        depth = self.config.spec.max_depth if not hasattr(self.drafters[name], "propose_batch") else self.config.spec.init_depth
-                        tree = self.drafters[name].propose(s, max_budget, depth)
+                        depth = self.config.spec.init_depth if hasattr(d, "propose_batch") else self.config.spec.max_depth
+                        tree = d.propose(s, max_budget, depth)
                     except Exception:
                         tree = None
                     path = tree.top_path() if tree else []
