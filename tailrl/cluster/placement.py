@@ -145,8 +145,8 @@ def lpt(works: list[float], workers: int, loads: list[float] | None = None) -> l
 def lpt_cost(units: list[Unit], workers: int, cost: StepCost, max_seqs: int = 256) -> list[int]:
     """LPT under the step-cost model: a worker holding units of total work T tokens, the longest predicted at
     p tokens, takes about base_s * max(p, T / max_seqs) steps' overhead (at most max_seqs run at once) plus
-    per_token_s * T. Units by decreasing predicted length, each onto an idle worker when that finishes sooner
-    than the least loaded busy one would, else onto the least loaded busy one."""
+    per_token_s * T. Units by decreasing predicted length, each onto an empty worker unless the least loaded
+    busy one would finish sooner with it."""
 
     def load(p: float, work: float) -> float:
         return cost.base_s * max(p, work / max_seqs) + cost.per_token_s * work
@@ -157,14 +157,16 @@ def lpt_cost(units: list[Unit], workers: int, cost: StepCost, max_seqs: int = 25
     fresh = 0  # workers fresh..W-1 hold nothing yet
     for i in sorted(range(len(units)), key=lambda i: (-units[i].predicted, -units[i].work, i)):
         u = units[i]
-        alone = load(u.predicted, u.work)
-        if fresh < workers and (not busy or alone < busy[0][0]):
+        joined = None
+        if busy:
+            p, work = state[busy[0][1]]
+            joined = (max(p, u.predicted), work + u.work)
+        if fresh < workers and (joined is None or load(u.predicted, u.work) <= load(*joined)):
             w, fresh = fresh, fresh + 1
             state[w] = (u.predicted, u.work)
         else:
             _, w = heapq.heappop(busy)
-            p, work = state[w]
-            state[w] = (max(p, u.predicted), work + u.work)
+            state[w] = joined
         out[i] = w
         heapq.heappush(busy, (load(*state[w]), w))
     return out
