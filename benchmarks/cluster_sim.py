@@ -43,8 +43,14 @@ class Seq:
 
 @dataclass
 class Spec:
-    tau: float  # tokens emitted per sequence per verification step (accept length incl. the bonus token)
-    q: float  # tokens per sequence in the verification pass (1 + draft nodes)
+    """Chain drafts of d tokens, each accepted with probability alpha given its prefix was: a verification step
+    emits tau(d) = 1 + alpha + ... + alpha^d tokens per sequence for a pass of 1 + d tokens per sequence."""
+
+    alpha: float
+    drafts: tuple = (1, 2, 4, 8)
+
+    def arms(self) -> list[tuple[float, float]]:
+        return [(sum(self.alpha**k for k in range(d + 1)), 1.0 + d) for d in self.drafts]
 
 
 @dataclass
@@ -80,8 +86,8 @@ def run_chunk(w: SimWorker, cost: StepCost, max_seqs: int, spec: Spec | None, ca
         B = len(w.running)
         ctx = sum(s.prompt_len + s.done for s in w.running)
         e, q = 1.0, 1.0
-        if spec is not None and spec.tau / cost.decode(B, ctx, spec.q) > 1.0 / cost.decode(B, ctx):
-            e, q = spec.tau, spec.q  # the selector speculates where it pays (in the tail on compute-bound hardware)
+        if spec is not None:  # the selector's rule: the arm with the most tokens per second at this batch size
+            e, q = max([(1.0, 1.0)] + spec.arms(), key=lambda a: a[0] / cost.decode(B, ctx, a[1]))
         k = min(min(math.ceil((s.length - s.done) / e) for s in w.running), max_steps)
         dt = k * cost.decode(B, ctx + B * e * k / 2, q)
         for s in w.running:
@@ -225,15 +231,14 @@ def table(cost: StepCost, workers_list, groups_per_worker: int, n: int, cap: int
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--measure", action="store_true", help="measure the cost model and a 1-worker rollout on SmolLM2")
-    ap.add_argument("--cost", default="", help="base_s,per_token_s,per_attn_s (instead of --measure)")
+    ap.add_argument("--cost", default="", help="base_s,per_token_s,per_attn_s[,prefill_base_s,prefill_token_s]")
     ap.add_argument("--workers", default="8,16,64,256,1024")
     ap.add_argument("--groups-per-worker", type=int, default=4)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--cap", type=int, default=8192)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-seqs", type=int, default=256)
-    ap.add_argument("--tau", type=float, default=2.0, help="accept length in the tail (tokens per verify step)")
-    ap.add_argument("--draft", type=float, default=4.0, help="draft nodes per sequence when speculating")
+    ap.add_argument("--alpha", type=float, default=0.7, help="per-token acceptance of history drafts")
     ap.add_argument("--runs", default="", help="a metrics.jsonl whose response_lengths give the distribution")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -246,10 +251,11 @@ def main():
     else:
         cost = StepCost()
     print(f"cost model: {cost.to_dict()}")
-    spec = Spec(args.tau, 1 + args.draft)
+    spec = Spec(args.alpha)
     print(f"\nheavy-tailed lengths (lognormal, median 1000, cap {args.cap}), {args.groups_per_worker} groups x "
           f"{args.n} samples per worker, prompt {args.prompt_len} tokens, max {args.max_seqs} running per worker; "
-          f"SD in the tail: accept length {args.tau}, {args.draft:g} draft nodes, used where the cost model says it pays\n")
+          f"SD: chain drafts of 1/2/4/8 tokens at per-token acceptance {args.alpha}, the arm the cost model says is "
+          "fastest at each batch size (plain decoding where none pays)\n")
     t = time.perf_counter()
     table(cost, [int(x) for x in args.workers.split(",")], args.groups_per_worker, args.n, args.cap, spec,
           args.max_seqs, args.prompt_len, args.seed, args.runs or None)

@@ -101,11 +101,12 @@ def test_plan_moves_balances_and_prefers_waiting_then_longest():
 
 
 def test_cost_fit_recovers_coefficients():
-    true = StepCost(0.02, 0.003, 1e-6)
+    true = StepCost(0.02, 0.003, 1e-6, 0.05, 0.004)
     samples = [(t, c, true.forward(t, c)) for t in (1, 4, 16, 64) for c in (100, 5000, 20000)]
-    fit = StepCost.fit(samples)
+    fit = StepCost.fit(samples, [(p, true.prefill(p)) for p in (40, 400)])
     assert fit.base_s == pytest.approx(0.02, rel=1e-6) and fit.per_token_s == pytest.approx(0.003, rel=1e-6)
     assert fit.per_attn_s == pytest.approx(1e-6, rel=1e-6)
+    assert fit.prefill(1000) == pytest.approx(0.05 + 4.0, rel=1e-6)
 
 
 def test_cluster_config_validates():

@@ -101,7 +101,7 @@ class ClusterRollout:
         live = self._live()
         self.predicted = [self.predictor.predict(self.prompts[i], self.tasks[i]) for i in range(len(prompts))]
         units = [Unit(i, 0, p.n, self.predicted[i]) for i, p in enumerate(self.params)]
-        max_seqs = getattr(self.spec.engine, "max_num_seqs", 256)
+        max_seqs = self.spec.engine.max_num_seqs
         plan = (place(units, len(live), cost=self.cost, max_seqs=max_seqs) if self.cfg.placement == "histopipe"
                 else static_split(units, len(live)))
         for w, bin_units in zip(self._affine(plan, live), plan):
@@ -135,9 +135,11 @@ class ClusterRollout:
         ok, failed = self.pool.gather({w: self.pool.submit(w, "end_rollout") for w in live}, self.cfg.step_timeout_s)
         for w, why in failed.items():
             log.warning("worker %d failed at the end of the rollout (%s); it restarts at the next step", w, why)
-        stats = GenerateStats()
+        ecfg = self.spec.engine
+        tail = max(ecfg.tail_batch, int(ecfg.tail_frac * len(self.samples)))
+        stats = GenerateStats(tail_batch=tail)
         for w, out in ok.items():
-            part = GenerateStats()
+            part = GenerateStats(tail_batch=tail)
             for r in out["records"]:
                 part.add(r)
             stats.merge(part)

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from ..engine import Engine, EngineConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,7 +43,7 @@ class WorkerSpec:
     """What each worker builds. The model is loaded by path, then every step's weights arrive by name."""
 
     model: str = ""
-    engine: object = None  # EngineConfig (None: defaults)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     dtype: str = "float32"
     device: str | None = None  # None: cuda if the worker has a GPU, else cpu
     threads: int = 1
@@ -53,11 +55,10 @@ def build(spec: WorkerSpec, index: int = 0) -> WorkerParts:
     if spec.factory:
         module, fn = spec.factory.split(":")
         return getattr(importlib.import_module(module), fn)(spec, index)
-    from ..engine import Engine, EngineConfig
     from ..model import load_model
 
     model, tokenizer = load_model(spec.model, device=spec.device, dtype=DTYPES[spec.dtype])
-    return WorkerParts(Engine(model, tokenizer, spec.engine or EngineConfig()))
+    return WorkerParts(Engine(model, tokenizer, spec.engine))
 
 
 @dataclass

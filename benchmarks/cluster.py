@@ -1,0 +1,95 @@
+"""Rollout on 2 Ray workers x 1 thread: static split vs HistoPipe placement vs placement + tail migration, side by
+side, and against 1 in-process engine on the same 2 threads (Ray's overhead). SmolLM2-135M, a long-tailed prompt
+set (groups differ in length), one warm-up epoch so the length predictor has history; every arm must return the
+very same tokens.
+
+    .venv/bin/python benchmarks/cluster.py [--epochs 2] [--n 4] [--max-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tailrl.cluster.config import ClusterConfig  # noqa: E402
+from tailrl.cluster.cost import StepCost  # noqa: E402
+from tailrl.cluster.rollout import ClusterRollout  # noqa: E402
+from tailrl.cluster.workers import WorkerSpec  # noqa: E402
+from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tailrl.model import load_model  # noqa: E402
+
+# long and short groups: counting and listing run long, one-word answers stop early
+CHATS = ["Count from 1 to 60 separated by commas.", "Name three colours.", "Write a long story about a dragon.",
+         "What is 2 + 2?", "List the first twenty prime numbers, one per line.", "Say hello.",
+         "Explain in detail how a car engine works.", "Is the sky blue? Answer yes or no."]
+# SmolLM2-135M, 1 thread, measured by benchmarks/cluster_calib.py (see benchmarks/RESULTS.md)
+COST = StepCost(0.0325, 0.0055, 0.0, 0.10, 0.0042)
+
+
+def arm_configs() -> dict[str, ClusterConfig]:
+    return {"static": ClusterConfig(placement="static", migrate=False),
+            "HistoPipe": ClusterConfig(placement="histopipe", migrate=False),
+            "HistoPipe+migration": ClusterConfig(placement="histopipe", migrate=True)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=2, help="epoch 0 is the warm-up that gives history")
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--spec", default="off")
+    args = ap.parse_args()
+    from tailrl.spec.config import SpecConfig
+
+    torch.set_num_threads(2)
+    model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for c in CHATS]
+    params = [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=100 * i) for i in range(len(prompts))]
+    ecfg = EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=args.spec))
+    spec = WorkerSpec(model="smollm2-135m", engine=ecfg, threads=1)
+    engine = Engine(model, tok, ecfg)
+    arms = {name: ClusterRollout(spec, 2, cfg, COST) for name, cfg in arm_configs().items()}
+    rows, ref = [], None
+    try:
+        for epoch in range(args.epochs):
+            t = time.perf_counter()
+            base = engine.generate(prompts, params)
+            rows.append((epoch, "1 engine x 2 threads (in process)", time.perf_counter() - t, None, base))
+            ref = [c.token_ids for c in base]
+            for name, cr in arms.items():  # interleaved with the baseline, one epoch at a time
+                t = time.perf_counter()
+                out = cr.generate(prompts, params)
+                rows.append((epoch, f"2 Ray workers x 1 thread, {name}", time.perf_counter() - t, cr.metrics, out))
+                assert [c.token_ids for c in out] == ref, f"{name}: tokens differ from the single engine"
+    finally:
+        for cr in arms.values():
+            cr.shutdown()
+    lens = sorted(len(c) for c in ref)
+    print(f"\n{len(prompts)} prompts x n={args.n}, T=1.0, max {args.max_tokens} tokens, spec {args.spec}; response "
+          f"lengths min {lens[0]} / median {lens[len(lens) // 2]} / max {lens[-1]}; all arms emit identical tokens\n")
+    print("| epoch | arm | wall s | speedup vs static | busy s w0 / w1 | idle frac | Ray overhead | migrated | "
+          "re-prefilled tokens | pred-len corr | pred-len MAE |")
+    print("|" + "---|" * 11)
+    for epoch in range(args.epochs):
+        ep = [r for r in rows if r[0] == epoch]
+        static = next(r[2] for r in ep if r[1].endswith("static"))
+        for _, name, wall, m, _out in ep:
+            if m is None:
+                print(f"| {epoch} | {name} | {wall:.1f} | {static / wall:.2f}x | | | | | | | |")
+                continue
+            busy = [m[f"cluster/busy_s/{w}"] for w in range(2)]
+            overhead = (wall - max(busy)) / wall  # time the critical worker was not in an engine step
+            print(f"| {epoch} | {name} | {wall:.1f} | {static / wall:.2f}x | {busy[0]:.1f} / {busy[1]:.1f} | "
+                  f"{m['cluster/idle_frac']:.2f} | {overhead * 100:.1f}% | {m['cluster/migrated']} | "
+                  f"{m['cluster/reprefill_tokens']} | {m.get('cluster/len_pred_corr', 0):.2f} | "
+                  f"{m.get('cluster/len_pred_mae', 0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

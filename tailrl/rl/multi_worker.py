@@ -1,0 +1,40 @@
+"""The trainer's side of `rollout.workers`: 1 keeps the in-process engine (Ray is never imported); N > 1 starts N
+Ray rollout workers (tailrl.cluster) that load the policy by path, then get its weights by name every step.
+
+Invariant: the N-worker rollout returns, for every (prompt, sample), the tokens and logprobs of the in-process
+engine (seeds keyed by (run seed, step, prompt, sample)), so the reward curve does not depend on N."""
+
+from __future__ import annotations
+
+import time
+
+from ..config import Config
+from ..engine import EngineConfig
+
+
+def make_cluster(cfg: Config):
+    """None for rollout.workers = 1; else a started `ClusterRollout` (Ray local, or cluster.address)."""
+    r = cfg.rollout
+    if r.workers <= 1:
+        return None
+    if cfg.drafter.enabled or cfg.drafter.path:
+        raise ValueError("rollout.workers > 1 runs model-free drafters only for now: set drafter.enabled=false")
+    from ..cluster.rollout import ClusterRollout
+    from ..cluster.workers import WorkerSpec
+
+    engine = EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec)
+    spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=cfg.model.dtype, device=cfg.model.device,
+                      threads=r.worker_threads)
+    return ClusterRollout(spec, r.workers, cfg.cluster, prior_length=r.max_tokens / 2, seed=cfg.trainer.seed)
+
+
+def cluster_rollout(cluster, policy, prompts: list, params: list, tasks: list | None = None):
+    """One step's rollout on the workers: this step's weights first (one object-store put, loaded by name),
+    then the rollout. Returns (completions with merged .stats, metrics incl. timing_s/sync)."""
+    t = time.perf_counter()
+    sync_s = cluster.sync_weights(policy.state_dict())
+    comps = cluster.generate(prompts, params, tasks)
+    metrics = {k: v for k, v in cluster.metrics.items() if isinstance(v, (int, float))}
+    metrics["timing_s/sync"] = sync_s
+    metrics["timing_s/cluster_rollout"] = time.perf_counter() - t
+    return comps, metrics
