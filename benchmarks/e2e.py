@@ -21,7 +21,7 @@ PHASES = ["gen", "reward", "old_log_prob", "update", "sync", "eval"]
 
 def run_tailrl(out: Path, seed: int, mode: str, steps: int, extra: list[str]) -> list[dict]:
     from tailrl.config import load_config
-    from tailrl.rl.trainer import train
+    from tailrl.rl.run import train
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_config(None, [f"trainer.out_dir={out}", f"trainer.seed={seed}", f"trainer.steps={steps}",

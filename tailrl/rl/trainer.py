@@ -28,7 +28,7 @@ from .data import Example, Loader, chat_prompt, load_datasets
 from .guards import StepGuard
 from .reward_runner import RewardRunner
 from .rewards import accuracy_verifier
-from .update import make_batch, pad_batch, policy_update  # noqa: F401 - pad_batch is part of this module's API
+from .update import make_batch, policy_update
 from .weights import push_weights
 
 log = logging.getLogger(__name__)
