@@ -88,7 +88,9 @@ class LiveView:
         self.progress.start()
 
     def update(self, step: int, m: dict) -> None:
-        g = lambda k: m.get(k, float("nan"))  # noqa: E731 - a step whose prompts were all rejected has no reward
+        def g(k: str) -> float:  # a step whose prompts were all rejected has no reward
+            return m.get(k, float("nan"))
+
         line = (f"step {step}: reward {g('reward/mean'):.3f} acc {g('acc/mean'):.2f} len {g('response_length/mean'):.0f} "
                 f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s accept {g('spec/accept_length'):.2f}")
         if "eval/accuracy" in m:

@@ -173,7 +173,7 @@ class Trainer:
         bad = [g for g in groups if any(c.finish_reason == "error" for c in g)]
         if bad:
             log.warning("step %d: %d of %d prompts rejected by the engine (%s): left out of the update (rollout/rejected)",
-                        self.step + 1, len(bad), len(groups), next(c.error for c in bad[0] if c.error))
+                        self.step + 1, len(bad), len(groups), next((c.error for c in bad[0] if c.error), "no reason given"))
         return [c for g in groups if g not in bad for c in g], len(bad)
 
     def train_step(self) -> dict:
