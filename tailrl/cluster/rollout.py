@@ -45,19 +45,22 @@ class ClusterRollout:
         self.pool = LocalPool(spec, workers) if local else RayPool(spec, workers, self.cfg.address)
         self.predictor = LengthPredictor(prior_length)
         self.rng = random.Random(seed)
-        self.weights = None  # the last synced weights (object store ref): restarted workers load them
+        self.weights = self.idle_state = None  # the last synced weights (object store refs): restarts load them
         self.last_worker: dict[int, int] = {}  # prompt key -> worker that ran most of it (history affinity)
         self.metrics: dict = {}
+        self.idle_states: list = []  # the last rollout's idle-work results (trained drafter heads) to merge
 
     # ---- between steps ------------------------------------------------------------------------------------
 
-    def sync_weights(self, state_dict: dict) -> float:
-        """The policy's weights to every worker: one `put` into the object store, loaded by parameter name."""
+    def sync_weights(self, state_dict: dict, idle_state: dict | None = None) -> float:
+        """The policy's weights to every worker: one `put` into the object store, loaded by parameter name;
+        idle_state (the merged drafter head) travels the same way."""
         t = time.perf_counter()
         self.weights = self.pool.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        self.idle_state = self.pool.put(idle_state) if idle_state is not None else None
         live = self._live()
-        _, failed = self.pool.gather({w: self.pool.submit(w, "load_weights", self.weights) for w in live},
-                                     self.cfg.step_timeout_s)
+        calls = {w: self.pool.submit(w, "load_weights", self.weights, self.idle_state) for w in live}
+        _, failed = self.pool.gather(calls, self.cfg.step_timeout_s)
         for w, why in failed.items():
             log.warning("worker %d failed to load weights (%s); it restarts at the next step", w, why)
         return time.perf_counter() - t
@@ -166,7 +169,7 @@ class ClusterRollout:
         for w in sorted(self.pool.dead):
             self.pool.restart(w)
             if self.weights is not None:
-                self.pool.call(w, "load_weights", self.weights, timeout=self.cfg.step_timeout_s)
+                self.pool.call(w, "load_weights", self.weights, self.idle_state, timeout=self.cfg.step_timeout_s)
 
     def _affine(self, plan: list[list[Unit]], live: list[int]) -> list[int]:
         """Bins to workers: placement fixed the bins' loads, any permutation keeps them, so each bin goes to the

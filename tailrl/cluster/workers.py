@@ -31,6 +31,8 @@ class IdleWork(Protocol):
 
     def state(self) -> dict: ...  # what the driver merges between steps
 
+    def load(self, state: dict) -> None: ...  # the merged result, back from the driver
+
 
 @dataclass
 class WorkerParts:
@@ -85,8 +87,9 @@ class RolloutWorker:
     def ping(self) -> int:
         return self.index
 
-    def load_weights(self, weights: dict) -> float:
-        """New policy weights by parameter name (tied or missing names are kept as they are)."""
+    def load_weights(self, weights: dict, idle_state: dict | None = None) -> float:
+        """New policy weights by parameter name (names the engine's model lacks are ignored), and the driver's
+        merge of the idle work (the drafter head) when there is one."""
         t = time.perf_counter()
         params = dict(self.engine.model.state_dict())
         with torch.no_grad():
@@ -94,6 +97,8 @@ class RolloutWorker:
                 dst = params.get(name)
                 if dst is not None:
                     dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+        if idle_state is not None and self.idle is not None:
+            self.idle.load(idle_state)
         return time.perf_counter() - t
 
     def add(self, prompts: list, sampling: list, prompt_indices: list[int]) -> tuple[list[int], list[list[int]]]:
