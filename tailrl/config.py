@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from .cluster.config import ClusterConfig
 from .drafter.config import DrafterConfig
 from .spec.config import SpecConfig
 
@@ -48,6 +49,8 @@ class RolloutCfg:
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
+    workers: int = 1  # 1: the in-process engine; N > 1: N Ray rollout workers (see the cluster section)
+    worker_threads: int = 1  # CPU threads per rollout worker (a worker takes one GPU where there are GPUs)
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Config:
     reward: RewardCfg = field(default_factory=RewardCfg)
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # the learned drafter (off by default)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # rollout.workers > 1: placement, migration, Ray
 
     def validate(self) -> None:
         a = self.algo
@@ -131,6 +135,8 @@ class Config:
              "evaluation)"),
             (self.data.num_eval >= 0 and self.data.max_prompt_tokens >= 1, "data.num_eval", ">= 0"),
             (self.rollout.max_tokens >= 1, "rollout.max_tokens", ">= 1"),
+            (self.rollout.workers >= 1 and self.rollout.worker_threads >= 1, "rollout.workers",
+             ">= 1 (and rollout.worker_threads >= 1)"),
             (self.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", ">= 1"),
             (self.trainer.max_skipped_steps >= 1, "trainer.max_skipped_steps", ">= 1"),
             (not (self.trainer.resume and self.trainer.overwrite), "trainer.resume",
@@ -259,6 +265,10 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         cfg.drafter = DrafterConfig(**dataclasses.asdict(cfg.drafter))
     except ValueError as e:
         raise ConfigError(f"bad drafter setting: {e}") from e
+    try:
+        cfg.cluster = ClusterConfig(**dataclasses.asdict(cfg.cluster))
+    except ValueError as e:
+        raise ConfigError(f"bad cluster setting: {e}") from e
     if cfg.rollout.spec.mode == "learned" and not (cfg.drafter.enabled or cfg.drafter.path):
         raise ConfigError("rollout.spec.mode=learned needs drafter.enabled=true or a drafter.path")
     cfg.validate()

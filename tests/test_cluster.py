@@ -114,3 +114,15 @@ def test_cluster_config_validates():
         ClusterConfig(placement="random")
     with pytest.raises(ValueError, match="round_steps"):
         ClusterConfig(round_steps=-1)
+
+
+def test_config_keys():
+    from tailrl.config import ConfigError, load_config
+
+    cfg = load_config(None, ["rollout.workers=4", "rollout.worker_threads=2", "cluster.address=auto",
+                             "cluster.migrate=false", "cluster.step_timeout_s=30"])
+    assert cfg.rollout.workers == 4 and cfg.cluster.address == "auto" and not cfg.cluster.migrate
+    with pytest.raises(ConfigError, match="cluster"):
+        load_config(None, ["cluster.placement=random"])
+    with pytest.raises(ConfigError, match="rollout.workers"):
+        load_config(None, ["rollout.workers=0"])

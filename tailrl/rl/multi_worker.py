@@ -6,10 +6,12 @@ engine (seeds keyed by (run seed, step, prompt, sample)), so the reward curve do
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..config import Config
 from ..engine import EngineConfig
+from .rollout_worker import head_state, merge_heads
 
 
 def make_cluster(cfg: Config):
@@ -17,24 +19,29 @@ def make_cluster(cfg: Config):
     r = cfg.rollout
     if r.workers <= 1:
         return None
-    if cfg.drafter.enabled or cfg.drafter.path:
-        raise ValueError("rollout.workers > 1 runs model-free drafters only for now: set drafter.enabled=false")
     from ..cluster.rollout import ClusterRollout
     from ..cluster.workers import WorkerSpec
 
     engine = EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec)
     spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=cfg.model.dtype, device=cfg.model.device,
                       threads=r.worker_threads)
+    if cfg.drafter.enabled or cfg.drafter.path:  # workers draft with the head, and train it when idle (TLT)
+        spec.factory = "tailrl.rl.rollout_worker:build"
+        spec.options = {"drafter": dataclasses.asdict(cfg.drafter), "seed": cfg.trainer.seed}
     return ClusterRollout(spec, r.workers, cfg.cluster, prior_length=r.max_tokens / 2, seed=cfg.trainer.seed)
 
 
-def cluster_rollout(cluster, policy, prompts: list, params: list, tasks: list | None = None):
-    """One step's rollout on the workers: this step's weights first (one object-store put, loaded by name),
-    then the rollout. Returns (completions with merged .stats, metrics incl. timing_s/sync)."""
+def cluster_rollout(cluster, policy, prompts: list, params: list, tasks: list | None = None, head=None):
+    """One step's rollout on the workers: this step's weights first (one object-store put, loaded by name;
+    with the learned drafter, its head too), then the rollout; then the heads the idle workers trained are
+    merged into `head`. Returns (completions with merged .stats, metrics incl. timing_s/sync)."""
     t = time.perf_counter()
-    sync_s = cluster.sync_weights(policy.state_dict())
+    sync_s = cluster.sync_weights(policy.state_dict(), head_state(head) if head is not None else None)
     comps = cluster.generate(prompts, params, tasks)
     metrics = {k: v for k, v in cluster.metrics.items() if isinstance(v, (int, float))}
+    if head is not None:
+        metrics["drafter/idle_train_steps"] = merge_heads(head, cluster.idle_states)
+        head.sync_head()
     metrics["timing_s/sync"] = sync_s
     metrics["timing_s/cluster_rollout"] = time.perf_counter() - t
     return comps, metrics
