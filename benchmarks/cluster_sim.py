@@ -62,9 +62,14 @@ class SimWorker:
     busy: float = 0.0
     pred_left: float = 0.0
     version: int = 0
+    n: int = 0  # sequences held (running + waiting)
+    backoff: int = 16  # decode steps an idle worker waits before it looks for tail work again (doubles)
 
     def held(self) -> int:
-        return len(self.running) + sum(len(s) for s, _ in self.waiting)
+        return self.n
+
+    def recount(self) -> None:
+        self.n = len(self.running) + sum(len(s) for s, _ in self.waiting)
 
 
 def run_chunk(w: SimWorker, cost: StepCost, max_seqs: int, spec: Spec | None, cap: int, max_steps: int = 64) -> None:
@@ -95,6 +100,7 @@ def run_chunk(w: SimWorker, cost: StepCost, max_seqs: int, spec: Spec | None, ca
         w.running = [s for s in w.running if s.done < s.length]
     w.clock += dt
     w.busy += dt
+    w.recount()
     rem = [s.remaining_pred(cap) for s in w.running] + [s.remaining_pred(cap) for seqs, _ in w.waiting for s in seqs]
     w.pred_left = cost.base_s * max(rem, default=0.0) + cost.per_token_s * sum(rem)  # predicted time to finish
 
@@ -107,6 +113,7 @@ def simulate(plan: list[list[list[Seq]]], cost: StepCost, max_seqs: int, cap: in
     for w, units in zip(workers, plan):
         for seqs in units:
             w.waiting.append((seqs, seqs[0].prompt_len))
+        w.recount()
     heap = [(0.0, w.wid, 0) for w in workers]
     finish = [0.0] * W
     moved = reprefill = 0
@@ -133,8 +140,9 @@ def simulate(plan: list[list[list[Seq]]], cost: StepCost, max_seqs: int, cap: in
             take = {id(c.key) for c in plan_moves(cands, 0, cost, min_donor, max_moves=max(len(cands) // idle, 1))}
             if take:
                 break
-        if not take:  # look again a little later (16 of the donor's decode steps)
-            w.clock = max(w.clock, donor.clock) + 16 * cost.decode(len(donor.running))
+        if not take:  # look again later (backing off: 16, 32, 64, ... of the donor's decode steps)
+            w.clock = max(w.clock, donor.clock) + w.backoff * cost.decode(len(donor.running))
+            w.backoff *= 2
             w.version += 1
             heapq.heappush(heap, (w.clock, wid, w.version))
             continue
@@ -152,6 +160,9 @@ def simulate(plan: list[list[list[Seq]]], cost: StepCost, max_seqs: int, cap: in
             if rest:
                 kept.append((rest, pre))
         donor.waiting = kept
+        donor.recount()
+        w.recount()
+        w.backoff = 16
         moved += len(take)
         w.clock = max(w.clock, donor.clock)  # the donor's state is as of its clock: no time travel
         w.version += 1
