@@ -4,6 +4,7 @@ set (groups differ in length), one warm-up epoch so the length predictor has his
 very same tokens.
 
     .venv/bin/python benchmarks/cluster.py [--epochs 2] [--n 4] [--max-tokens 256]
+    .venv/bin/python benchmarks/cluster.py --siblings      # acceptance added by group drafting across workers
 """
 
 from __future__ import annotations
@@ -37,12 +38,40 @@ def arm_configs() -> dict[str, ClusterConfig]:
             "HistoPipe+migration": ClusterConfig(placement="histopipe", migrate=True)}
 
 
+def sibling_table(spec: WorkerSpec, prompts: list, n: int, max_tokens: int) -> None:
+    """Seer's group drafting across workers: each group alone on 2 workers is divided 4+4 between them; with
+    sibling_drafting on, each worker's history drafter also sees the other half's tokens as they are emitted."""
+    print("\n| sibling drafting across workers | history accept length | history drafted / accepted | "
+          "remote tokens forwarded | wall s |\n|---|---|---|---|---|")
+    ref = None
+    for on in (False, True):
+        cr = ClusterRollout(spec, 2, ClusterConfig(sibling_drafting=on, migrate=False), COST)
+        try:
+            t, seq_steps, acc, drafted, remote, toks = time.perf_counter(), 0, 0, 0, 0, []
+            for i, p in enumerate(prompts):  # one group per rollout (epoch 0: no history, siblings only)
+                out = cr.generate([p], [SamplingParams(n=n, max_tokens=max_tokens, temperature=0.7, seed=7 + i)])
+                d = out.stats.drafters.get("history", {})
+                seq_steps += d.get("seq_steps", 0)
+                acc += d.get("accepted", 0)
+                drafted += d.get("drafted", 0)
+                remote += cr.metrics["cluster/remote_tokens"]
+                toks.append([c.token_ids for c in out])
+            wall = time.perf_counter() - t
+        finally:
+            cr.shutdown()
+        ref = ref or toks
+        assert toks == ref, "sibling drafting changed the tokens"
+        accept = (seq_steps + acc) / max(seq_steps, 1)
+        print(f"| {'on' if on else 'off'} | {accept:.3f} | {drafted} / {acc} | {remote} | {wall:.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=2, help="epoch 0 is the warm-up that gives history")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--spec", default="off")
+    ap.add_argument("--siblings", action="store_true", help="only the sibling-drafting table (spec history)")
     args = ap.parse_args()
     from tailrl.spec.config import SpecConfig
 
@@ -50,9 +79,15 @@ def main():
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for c in CHATS]
-    params = [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=100 * i) for i in range(len(prompts))]
+    params = [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=100 * i)
+              for i in range(len(prompts))]
     ecfg = EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=args.spec))
     spec = WorkerSpec(model="smollm2-135m", engine=ecfg, threads=1)
+    if args.siblings:
+        hist = WorkerSpec(model="smollm2-135m", threads=1,
+                          engine=EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history")))
+        sibling_table(hist, prompts, 8, args.max_tokens)
+        return
     engine = Engine(model, tok, ecfg)
     arms = {name: ClusterRollout(spec, 2, cfg, COST) for name, cfg in arm_configs().items()}
     rows, ref = [], None

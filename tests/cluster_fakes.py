@@ -148,7 +148,8 @@ class FakeEngine:
                                                list(st.output_ids), "", list(st.logprobs), reason))
         done = {c.seq_id for c in finished}
         sch.running = [s for s in sch.running if s.seq_id not in done]
-        return StepOut(finished, StepRecord("decode", batch=len(sch.running) + len(done), emitted=len(sch.running) + len(done)))
+        batch = len(sch.running) + len(done)
+        return StepOut(finished, StepRecord("decode", batch=batch, emitted=batch))
 
     def export(self, ids) -> list[FakeState]:
         ids = set(ids)

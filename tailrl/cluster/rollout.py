@@ -118,7 +118,8 @@ class ClusterRollout:
         calls = {}
         for w in self._live():
             if self.held[w]:
-                calls[w] = self.pool.submit(w, "run_round", self.cfg.round_s, self.outbox[w], self.cfg.round_steps or 1_000_000)
+                steps = self.cfg.round_steps or 1_000_000
+                calls[w] = self.pool.submit(w, "run_round", self.cfg.round_s, self.outbox[w], steps)
                 self.outbox[w] = []
             elif self.cfg.idle_train:
                 calls[w] = self.pool.submit(w, "idle_work", self.cfg.round_s)
