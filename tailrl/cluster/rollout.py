@@ -124,8 +124,12 @@ class ClusterRollout:
             elif self.cfg.idle_train:
                 calls[w] = self.pool.submit(w, "idle_work", self.cfg.round_s)
         ok, failed = self.pool.gather(calls, self.cfg.step_timeout_s)
+        holders: dict[int, set[int]] = {}  # prompt -> workers holding its samples (as the round began)
+        for v in self._live():
+            for key in self.held[v].values():
+                holders.setdefault(key[0], set()).add(v)
         for w, out in ok.items():
-            self._collect(w, out)
+            self._collect(w, out, holders)
         for w, why in failed.items():
             self._fail(w, why)
         if self.cfg.migrate:
@@ -212,7 +216,7 @@ class ClusterRollout:
         s.worker, s.local_id = w, local_id
         self.held[w][local_id] = key
 
-    def _collect(self, w: int, out) -> None:
+    def _collect(self, w: int, out, holders: dict[int, set[int]]) -> None:
         self.busy[w] += out.busy_s
         self.counts["cluster/idle_train_s"] += out.idle_s
         grown = []
@@ -228,15 +232,11 @@ class ClusterRollout:
                 self.samples[key].tokens += toks
                 grown.append(key)
         if self.cfg.sibling_drafting and grown:
-            self._forward(w, grown)
+            self._forward(w, grown, holders)
 
-    def _forward(self, w: int, keys: list[tuple[int, int]]) -> None:
+    def _forward(self, w: int, keys: list[tuple[int, int]], holders: dict[int, set[int]]) -> None:
         """Seer's group drafting across workers: a sample's new tokens go to every other worker holding a
-        running sibling of its group, where they feed the history drafter's live sibling index."""
-        holders: dict[int, set[int]] = {}
-        for v in self._live():
-            for key in self.held[v].values():
-                holders.setdefault(key[0], set()).add(v)
+        sibling of its group, where they feed the history drafter's live sibling index."""
         for key in keys:
             s = self.samples[key]
             for v in holders.get(key[0], ()):
