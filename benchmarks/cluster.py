@@ -28,8 +28,8 @@ from tailrl.model import load_model  # noqa: E402
 CHATS = ["Count from 1 to 60 separated by commas.", "Name three colours.", "Write a long story about a dragon.",
          "What is 2 + 2?", "List the first twenty prime numbers, one per line.", "Say hello.",
          "Explain in detail how a car engine works.", "Is the sky blue? Answer yes or no."]
-# SmolLM2-135M, 1 thread, measured by benchmarks/cluster_calib.py (see benchmarks/RESULTS.md)
-COST = StepCost(0.0325, 0.0055, 0.0, 0.10, 0.0042)
+# SmolLM2-135M fp32, 1 thread, fitted by benchmarks/cluster_calib.py (see benchmarks/RESULTS.md)
+COST = StepCost(0.05157, 0.007852, 4.5966e-6, 0.0269, 0.004325)
 
 
 def arm_configs() -> dict[str, ClusterConfig]:
