@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,6 +43,21 @@ def read_prompts(path: str) -> list[tuple[object, str | None]]:
     return rows
 
 
+def check_writable(path: str) -> Path:
+    """Fails (OSError naming the path) before any work when the output cannot be written there."""
+    out = Path(path)
+    if out.is_dir():
+        raise IsADirectoryError(f"--out {path!r} is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.tmp")
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"--out {path!r} cannot be written: {e.strerror or e}") from e
+    return out
+
+
 def cmd_generate(args) -> int:
     from .engine import Engine, EngineConfig, SamplingParams
     from .model import load_model
@@ -51,6 +68,7 @@ def cmd_generate(args) -> int:
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
         config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
                               spec=SpecConfig(mode=args.spec, seed=args.seed or 0))
+        out = check_writable(args.out)
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
         model, tokenizer = load_model(args.model, device=args.device)
         learned = None
@@ -61,7 +79,7 @@ def cmd_generate(args) -> int:
             learned = LearnedDrafter(load_drafter(args.drafter, model))
         elif args.spec == "learned":
             raise ValueError("--spec learned needs --drafter DIR (from `tailrl drafter train`)")
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
@@ -71,10 +89,9 @@ def cmd_generate(args) -> int:
         engine.generate(prompts, sampling, progress=not args.quiet)
         print(f"epoch {epoch}: {json.dumps(engine.last_stats.summary())}")
     completions = iter(engine.generate(prompts, sampling, progress=not args.quiet))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
-    with out.open("w") as f:
+    tmp = out.with_name(f".{out.name}.tmp")
+    with tmp.open("w") as f:
         for index, (prompt, err) in enumerate(rows):
             for j in range(sampling.n):
                 if err is not None:
@@ -88,6 +105,7 @@ def cmd_generate(args) -> int:
                     print(f"warning: row {index}: {rec['error']}", file=sys.stderr)
                 counts[rec["finish_reason"]] = counts.get(rec["finish_reason"], 0) + 1
                 f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, out)  # readers never see half a file
     st = engine.last_stats
     print(f"{sum(counts.values())} completions ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}), "
           f"{st.generated_tokens} tokens in {st.total_s:.1f}s = {st.tokens_per_s:.1f} tok/s -> {out}")
@@ -105,11 +123,25 @@ def cmd_train(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .report import make_report
-    from .rl.trainer import train
+    from .rl.checkpoint import CheckpointError
+    from .rl.guards import RunStalledError
+    from .rl.reward_runner import RewardError
+    from .rl.run import train
+    from .rl.run_dir import RunDirError
+    from .rl.stop import Interrupted
 
     try:
         run_dir = train(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except Interrupted as e:
+        ckpts = Path(cfg.trainer.out_dir) / "checkpoints"
+        where = f"{ckpts / e.latest}" if e.latest else "none yet (a resumed run starts fresh)"
+        cmd = ["tailrl", "train", *([args.config] if args.config else []),
+               *(o for o in args.overrides if not o.split("=")[0].strip() in ("trainer.resume", "trainer.overwrite")),
+               "trainer.resume=true"]
+        print(f"\nstopped by {e} after step {e.step if e.step is not None else 0}; latest checkpoint: {where}\n"
+              f"resume with: {shlex.join(cmd)}", file=sys.stderr)
+        return e.exit_code
+    except (ValueError, OSError, RunDirError, CheckpointError, RunStalledError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.trainer.report:
@@ -148,7 +180,7 @@ def _prompt_set(data: str, limit: int, seed: int) -> list:
     from .rl.tasks import make_rows
 
     if Path(data).suffix in (".jsonl", ".json", ".parquet") or Path(data).exists():
-        rows = [r for r in read_table(data) if isinstance(r, dict) and r.get("prompt")]
+        rows = [r for _, r in read_table(data) if isinstance(r, dict) and r.get("prompt")]
     else:
         rows = make_rows(data, limit, seed)
     prompts = [chat_prompt(r["prompt"]) for r in rows[:limit]]

@@ -5,6 +5,7 @@ An unknown key or a value of the wrong type is an error that names the key and l
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -68,8 +69,11 @@ class AlgoCfg:
 @dataclass
 class RewardCfg:
     functions: list[str] = field(default_factory=lambda: ["math_partial", "format"])  # built-ins or module:function
-    weights: list[float] = field(default_factory=lambda: [1.0, 0.2])
-    timeout_s: float = 10.0
+    # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
+    weights: list[float] = field(default_factory=list)
+    timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step
+    accuracy: str = "auto"  # the strict verifier behind acc/mean: auto (countdown if used, else math) | math | countdown
+    max_failed_steps: int = 3  # a function failing on every sample this many steps in a row stops the run
 
 
 @dataclass
@@ -81,6 +85,10 @@ class TrainerCfg:
     seed: int = 0
     out_dir: str = "runs/default"
     resume: bool = False  # continue from the last checkpoint in out_dir
+    overwrite: bool = False  # replace the run in out_dir (its metrics and checkpoints are deleted)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    save_optimizer_final: bool = True  # the last checkpoint holds the optimizer state too (2/3 of its size)
+    max_skipped_steps: int = 3  # this many steps in a row without a finite update stop the run
     report: bool = True
 
 
@@ -106,6 +114,27 @@ class Config:
             (a.lr > 0, "algo.lr", "> 0"),
             (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low", "in [0, 1) with clip_high >= 0"),
             (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),
+            (self.rollout.temperature > 0, "rollout.temperature",
+             "> 0 for training (the policy-gradient loss needs the sampling distribution; 0 is greedy)"),
+            (math.isfinite(self.rollout.temperature), "rollout.temperature", "finite"),
+            (all(math.isfinite(w) for w in self.reward.weights), "reward.weights", "finite numbers"),
+            (not self.reward.weights or len(self.reward.weights) == len(self.reward.functions), "reward.weights",
+             f"one per reward function ({len(self.reward.functions)}: {', '.join(self.reward.functions)}) or empty"),
+            (bool(self.reward.functions), "reward.functions", "at least one function"),
+            (self.reward.timeout_s > 0 and self.reward.max_failed_steps >= 1, "reward.timeout_s",
+             "> 0 (and reward.max_failed_steps >= 1)"),
+            (self.reward.accuracy in ("auto", "math", "countdown"), "reward.accuracy", "auto, math or countdown"),
+            (math.isfinite(a.lr) and math.isfinite(a.grad_clip) and a.grad_clip > 0, "algo.grad_clip",
+             "finite and > 0 (and algo.lr finite)"),
+            (self.data.num_eval >= 1 or not self.trainer.eval_every, "data.num_eval",
+             f">= 1 while trainer.eval_every={self.trainer.eval_every} (set trainer.eval_every=0 to train without "
+             "evaluation)"),
+            (self.data.num_eval >= 0 and self.data.max_prompt_tokens >= 1, "data.num_eval", ">= 0"),
+            (self.rollout.max_tokens >= 1, "rollout.max_tokens", ">= 1"),
+            (self.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", ">= 1"),
+            (self.trainer.max_skipped_steps >= 1, "trainer.max_skipped_steps", ">= 1"),
+            (not (self.trainer.resume and self.trainer.overwrite), "trainer.resume",
+             "false when trainer.overwrite=true (continue the run, or replace it: not both)"),
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
             (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32, bfloat16 or float16"),
         ]

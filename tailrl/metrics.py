@@ -1,10 +1,17 @@
-"""Run metrics: one JSON line per step (metrics.jsonl), TensorBoard scalars, and a console line."""
+"""Run metrics: one JSON line per step (metrics.jsonl), TensorBoard scalars, and the live console view.
+
+A line cut off by a killed run (the last one) is skipped with a warning naming the file and line, by the
+reader and by a resuming writer, which rewrites the file whole (tmp + rename) before appending."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -13,8 +20,10 @@ class MetricsWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         if resume_step is not None and self.path.is_file():  # drop steps a killed run logged after its checkpoint
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in keep))
+            keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            os.replace(tmp, self.path)
         elif resume_step is None and self.path.is_file():
             self.path.unlink()
         self.tb = None
@@ -29,6 +38,7 @@ class MetricsWriter:
         row = {"step": step, **{k: v for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+            f.flush()
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -40,8 +50,56 @@ class MetricsWriter:
             self.tb.close()
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a metrics file; a line that does not parse (a cut-off last line) is skipped with a warning."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            log.warning("%s:%d skipped: not a complete JSON row (a run killed while writing it?)", path, lineno)
+            continue
+        rows.append(row)
+    return rows
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
+
+
+class LiveView:
+    """A rich progress bar with the latest step's numbers; plain lines where there is no terminal."""
+
+    def __init__(self, total: int, start: int, console=None):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console or Console()
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.description}"), console=self.console, transient=False)
+        self.task = self.progress.add_task("", total=total, completed=start)
+        self.progress.start()
+
+    def update(self, step: int, m: dict) -> None:
+        g = lambda k: m.get(k, float("nan"))  # noqa: E731 - a step whose prompts were all rejected has no reward
+        line = (f"step {step}: reward {g('reward/mean'):.3f} acc {g('acc/mean'):.2f} len {g('response_length/mean'):.0f} "
+                f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s accept {g('spec/accept_length'):.2f}")
+        if "eval/accuracy" in m:
+            line += f" eval acc {m['eval/accuracy']:.2f}"
+        if m.get("train/skipped_steps"):
+            line += " [update skipped: non-finite values]"
+        self.progress.update(self.task, completed=step, description=line)
+        self.console.log(line)
+
+    def eval(self, step: int, m: dict) -> None:
+        self.console.log(f"step {step}: eval acc {m['eval/accuracy']:.2f} reward {m['eval/reward']:.3f}")
+
+    def close(self) -> None:
+        self.progress.stop()

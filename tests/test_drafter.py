@@ -269,7 +269,8 @@ def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
 
 
 def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
-    from tailrl.rl.trainer import Trainer, train
+    from tailrl.rl.run import train
+    from tailrl.rl.trainer import Trainer
     from tests.conftest import make_tiny_chat_model
     from tests.test_trainer import tiny_cfg
 
@@ -325,10 +326,7 @@ def test_cli_drafter_errors_name_the_problem(tmp_path, capsys):
 
 def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
     """Once the spot trainer has spent its share mid-tail, the rollout gets its threads back at the next step."""
-    from types import SimpleNamespace
-
-    from tailrl.config import Config
-    from tailrl.rl.trainer import Trainer
+    from tailrl.drafter.train import SpotLender
 
     class StubSpot:
         running = False
@@ -342,14 +340,12 @@ def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
             return True
 
     before = torch.get_num_threads()
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.spot, t.threads, t._lent, t.step = Config(), StubSpot(), 2, False, 0
-    t.drafter_trainer = SimpleNamespace(buffer=DraftBuffer())
+    lender = SpotLender(StubSpot(), DraftBuffer(), DrafterConfig(), tail_batch=4, threads=2)
     try:
-        t._on_engine_step([object()] * 2, [])  # the long tail: threads lent
-        assert t._lent and torch.get_num_threads() == 1
-        t.spot.running = False  # the trainer spent its share and stopped by itself
-        t._on_engine_step([object()] * 2, [])
-        assert not t._lent and torch.get_num_threads() == 2
+        lender.on_engine_step(2, [])  # the long tail: threads lent
+        assert lender.lent and torch.get_num_threads() == 1
+        lender.spot.running = False  # the trainer spent its share and stopped by itself
+        lender.on_engine_step(2, [])
+        assert not lender.lent and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

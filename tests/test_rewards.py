@@ -2,8 +2,9 @@ import time
 
 import pytest
 
-from tailrl.rl.rewards import (RewardRunner, answers_match, countdown_reward, extract_answer, format_reward,
-                                math_partial_reward, math_reward)
+from tailrl.rl.reward_runner import RewardRunner
+from tailrl.rl.rewards import (answers_match, countdown_reward, extract_answer, format_reward, math_partial_reward,
+                               math_reward)
 from tailrl.rl.tasks import make_rows
 
 
@@ -62,13 +63,14 @@ def hangs_on_seven(prompts, completions, answer, **_):
 
 
 def test_raising_and_hanging_user_rewards_give_zero_and_go_on():
+    """A raising sample fails alone; a hanging batch gets 0 for this step (one timeout, no per-sample retries)."""
     runner = RewardRunner(["tests.test_rewards:raises_on_seven", "tests.test_rewards:hangs_on_seven"], timeout_s=3)
     try:
-        t = time.perf_counter()
         rewards, stats = runner(["p"] * 3, ["#### 1", "#### 7", "#### 3"], {"answer": ["1", "7", "3"]})
-        assert rewards == [1.5, 0.0, 1.5]
-        assert stats.errors == 1 and stats.timeouts == 1
-        assert time.perf_counter() - t < 30
+        assert rewards == [1.0, 0.0, 1.0]
+        assert stats.errors == 1 and stats.timeouts == 3
+        rewards, stats = runner(["p"] * 2, ["#### 1", "#### 3"], {"answer": ["1", "3"]})  # a new worker goes on
+        assert rewards == [1.5, 1.5] and stats.errors == stats.timeouts == 0
     finally:
         runner.close()
 

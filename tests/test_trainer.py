@@ -4,14 +4,11 @@ import pytest
 import torch
 
 from tailrl.cli import main
-from tailrl.config import load_config
-from tailrl.rl.trainer import Trainer, push_weights, train
+from tailrl.rl.run import train
+from tailrl.rl.trainer import Trainer
+from tailrl.rl.weights import push_weights
 from tests.conftest import make_tiny_chat_model
-
-
-def count_a(prompts, completions, **_):
-    """Trivially learnable: the share of 'a' among the words of a completion."""
-    return [c.split().count("a") / max(len(c.split()), 1) for c in completions]
+from tests.rl_helpers import tiny_cfg
 
 
 def always_raises(prompts, completions, **_):
@@ -37,15 +34,6 @@ def task_file(tmp_path_factory):
     rows.insert(5, {"no_prompt": True})  # a malformed row is skipped with a warning
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
     return str(path)
-
-
-def tiny_cfg(tiny_chat, task_file, out, *extra):
-    return load_config(None, [
-        f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={out}",
-        "reward.functions=[tests.test_trainer:count_a]", "reward.weights=[1.0]", "rollout.n=8",
-        "rollout.max_tokens=8", "trainer.prompts_per_step=4", "algo.lr=0.02", "algo.mini_batch_size=16",
-        "algo.micro_batch_size=8", "trainer.eval_every=0", "trainer.save_every=1", "rollout.spec.mode=auto",
-        "rollout.kv_cache_gb=0.1", "trainer.report=false", *extra])
 
 
 def test_a_few_steps_raise_the_reward(tiny_chat, task_file, tmp_path):
@@ -75,8 +63,8 @@ def test_kill_and_resume_continues_exactly(tiny_chat, task_file, tmp_path):
 
 
 def test_raising_and_hanging_rewards_do_not_stop_a_run(tiny_chat, task_file, tmp_path):
-    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "reward.timeout_s=2",
-                   "reward.functions=[tests.test_trainer:always_raises,tests.test_trainer:always_hangs,tests.test_trainer:count_a]",
+    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "reward.timeout_s=5",
+                   "reward.functions=[tests.test_trainer:always_raises,tests.test_trainer:always_hangs,tests.rl_helpers:count_a]",
                    "reward.weights=[1.0,1.0,1.0]", "rollout.n=2", "trainer.prompts_per_step=1")
     rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward/errors"] >= 1 and rows[-1]["reward/timeouts"] >= 1
@@ -123,3 +111,26 @@ def test_report_is_written(tiny_chat, task_file, tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
     text = md.read_text()
     assert "| 2 |" in text and "eval accuracy" in text
+
+
+def test_push_weights_matches_parameters_by_name_not_position():
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(4, 4)
+            self.down = torch.nn.Linear(4, 4)
+
+    class EngineModel(torch.nn.Module):  # the same names, registered in the other order
+        def __init__(self):
+            super().__init__()
+            self.down = torch.nn.Linear(4, 4)
+            self.up = torch.nn.Linear(4, 4)
+
+    torch.manual_seed(0)
+    policy, engine_model = Policy(), EngineModel()
+    push_weights(policy, engine_model)
+    for name, p in policy.state_dict().items():
+        assert torch.equal(engine_model.state_dict()[name], p), name
+    engine_model.extra = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="extra"):
+        push_weights(policy, engine_model)

@@ -270,3 +270,40 @@ class SpotTrainer:
                 self._go.clear()
             finally:
                 self._idle.set()
+
+
+class SpotLender:
+    """Lends rollout threads to a SpotTrainer during the long tail of a rollout.
+
+    The caller reports each engine step: how many sequences still run and the completions that finished
+    (their hidden states feed the drafter buffer, tagged by RL step; errors are skipped). The long tail is
+    0 < running <= tail_batch. Invariants: threads are lent (the rollout runs on `threads - spot_threads`)
+    only while the spot trainer runs; when the batch grows, the trainer stops itself or `stop()` is called,
+    the spot trainer is paused (waiting for its micro-batch in progress) and the rollout gets every thread back."""
+
+    def __init__(self, spot: SpotTrainer, buffer: DraftBuffer, cfg: DrafterConfig, tail_batch: int,
+                 threads: int | None = None):
+        self.spot, self.buffer, self.cfg, self.tail_batch = spot, buffer, cfg, tail_batch
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self.lent = False
+        self.rl_step = 0
+
+    def begin_step(self, rl_step: int, last_step_s: float) -> None:
+        self.rl_step = rl_step
+        self.spot.begin_step(rl_step, last_step_s)
+
+    def on_engine_step(self, num_running: int, finished: list) -> None:
+        """finished: Completions (prompt_token_ids, token_ids, hidden_states [prompt + output - 1, H] or None)."""
+        self.buffer.add_completions(finished, self.rl_step)
+        tail = 0 < num_running <= self.tail_batch
+        if tail and not self.spot.running and not self.lent and self.spot.resume():
+            torch.set_num_threads(max(self.threads - self.cfg.spot_threads, 1))
+            self.lent = True
+        elif self.lent and not (tail and self.spot.running):  # the batch grew, or the trainer spent its share
+            self.stop()
+
+    def stop(self) -> None:
+        """Waits for the spot trainer's micro-batch in progress, then gives the rollout its threads back."""
+        self.spot.pause(wait=True)
+        torch.set_num_threads(self.threads)
+        self.lent = False

@@ -144,7 +144,10 @@ def load_model(name_or_path: str, device: str | torch.device | None = None, dtyp
         if cached is not None:
             _write_gguf_cache(cached, hf_cfg, sd, tokenizer)
     else:
-        hf_cfg = json.loads((Path(path) / "config.json").read_text())
+        try:
+            hf_cfg = json.loads((Path(path) / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{Path(path) / 'config.json'} is not valid JSON ({e})") from e
         ModelConfig.from_hf(hf_cfg)  # fail on an unsupported architecture before reading weights
         sd, tokenizer = _read_safetensors(Path(path)), _load_tokenizer(path)
     cfg = ModelConfig.from_hf(hf_cfg)

@@ -13,14 +13,21 @@ from .tasks import make_rows
 log = logging.getLogger(__name__)
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
 @dataclass
 class Example:
     prompt: object  # text or chat messages
     answer: str
     columns: dict = field(default_factory=dict)  # every other column, passed to reward functions
+    source: str = ""  # file:line (or task row) it came from, for warnings
+    ids: list[int] = field(default_factory=list)  # the tokenized chat prompt (the trainer fills it)
 
 
-def read_table(path: str) -> list[dict]:
+def read_table(path: str) -> list[tuple[str, object]]:
+    """(where, row) per row of a JSONL or Parquet file; `where` is 'file:line' (or 'file row N'). A line that
+    is not UTF-8 or not JSON gives row None (and a warning naming it), so one bad line fails alone."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset {path!r} not found")
@@ -29,38 +36,72 @@ def read_table(path: str) -> list[dict]:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from e
-        return pq.read_table(p).to_pylist()
+        return [(f"{path} row {i}", r) for i, r in enumerate(pq.read_table(p).to_pylist(), 1)]
     rows = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    for lineno, raw in enumerate(p.read_bytes().splitlines(), 1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            log.warning("%s skipped: not UTF-8 (byte %d)", where, e.start)
+            rows.append((where, None))
+            continue
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append((where, json.loads(line)))
         except json.JSONDecodeError as e:
-            log.warning("%s:%d skipped: not valid JSON (%s)", path, lineno, e.msg)
-            rows.append(None)
+            log.warning("%s skipped: not valid JSON (%s)", where, e.msg)
+            rows.append((where, None))
     return rows
 
 
-def to_examples(rows: list, prompt_key: str, answer_key: str, source: str) -> list[Example]:
+def _message_problem(i: int, m) -> str | None:
+    if not isinstance(m, dict):
+        return f"chat message {i} is a {type(m).__name__}, not {{'role': ..., 'content': ...}}"
+    if m.get("role") not in ROLES:
+        return f"chat message {i} has role {m.get('role')!r} (one of {', '.join(ROLES)})"
+    if not isinstance(m.get("content"), str):
+        return f"chat message {i} has no text 'content'"
+    return None
+
+
+def row_problem(row, prompt_key: str, answer_key: str) -> str | None:
+    """Why a row cannot be used (None when it can)."""
+    if not isinstance(row, dict):
+        return "not an object"
+    prompt, answer = row.get(prompt_key), row.get(answer_key)
+    if not prompt:
+        return f"no {prompt_key!r}"
+    if answer is None:
+        return f"no {answer_key!r}"
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        return f"{answer_key!r} is a {type(answer).__name__}, not text or a number"
+    if isinstance(prompt, list):
+        return next((p for i, m in enumerate(prompt, 1) if (p := _message_problem(i, m))), None)
+    if not isinstance(prompt, str):
+        return f"{prompt_key!r} is a {type(prompt).__name__}, not text or a list of chat messages"
+    return None
+
+
+def to_examples(rows: list[tuple[str, object]], prompt_key: str, answer_key: str, source: str) -> list[Example]:
+    """Good rows as Examples; each bad row is skipped with a warning naming its file and line."""
+    dicts = [r for _, r in rows if isinstance(r, dict)]
+    for key, setting in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        if dicts and not any(key in r for r in dicts):
+            cols = sorted({k for r in dicts for k in r})
+            raise ValueError(f"{source}: no usable rows: no column {key!r} (columns: {', '.join(cols)}); set {setting} to the column "
+                             f"that holds the {'prompts' if key == prompt_key else 'answers'}")
     out, bad = [], 0
-    for i, row in enumerate(rows, 1):
-        why = None
-        if not isinstance(row, dict):
-            why = "not an object"
-        elif not row.get(prompt_key):
-            why = f"no {prompt_key!r}"
-        elif row.get(answer_key) is None:
-            why = f"no {answer_key!r}"
-        elif not isinstance(row[prompt_key], (str, list)):
-            why = f"{prompt_key!r} must be text or a list of chat messages"
+    for where, row in rows:
+        why = row_problem(row, prompt_key, answer_key)
         if why:
             bad += 1
-            if row is not None:
-                log.warning("%s row %d skipped: %s", source, i, why)
+            if row is not None:  # None rows were reported when read
+                log.warning("%s skipped: %s", where, why)
             continue
         cols = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        out.append(Example(row[prompt_key], str(row[answer_key]), cols))
+        out.append(Example(row[prompt_key], str(row[answer_key]), cols, where))
     if not out:
         raise ValueError(f"{source}: no usable rows (each needs {prompt_key!r} and {answer_key!r})")
     if bad:
@@ -77,9 +118,13 @@ def load_datasets(cfg) -> tuple[list[Example], list[Example]]:
         else:
             evals, train = train[: cfg.num_eval], train[cfg.num_eval :] or train
         return train, evals
-    train = to_examples(make_rows(cfg.task, cfg.num_train, seed=0), "prompt", "answer", cfg.task)
-    evals = to_examples(make_rows(cfg.task, cfg.num_eval, seed=1), "prompt", "answer", cfg.task)
+    train = to_examples(_task_rows(cfg.task, cfg.num_train, 0), "prompt", "answer", cfg.task)
+    evals = to_examples(_task_rows(cfg.task, cfg.num_eval, 1), "prompt", "answer", cfg.task) if cfg.num_eval else []
     return train, evals
+
+
+def _task_rows(task: str, n: int, seed: int) -> list[tuple[str, dict]]:
+    return [(f"{task} row {i}", r) for i, r in enumerate(make_rows(task, n, seed=seed), 1)]
 
 
 def chat_prompt(prompt, system_prompt: str = "") -> list[dict]:

@@ -1,22 +1,18 @@
 """Rewards: final-answer math verification, format, Countdown, and user functions named `module:function`.
 
 A user function has TRL's signature: f(prompts, completions, answer=..., **extra_columns) -> list[float].
-It runs in a worker process with a time limit; a call that raises or runs over gives the affected samples
-a reward of 0 and a counted warning, and the run goes on."""
+`reward_runner.RewardRunner` runs them in a worker process with a time limit."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import logging
 import math
-import multiprocessing as mp
 import operator
+import os
 import re
+import sys
 from collections import Counter
-from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
@@ -117,98 +113,52 @@ BUILTIN = {"math": math_reward, "math_partial": math_partial_reward, "format": f
            "countdown": countdown_reward}
 
 
-def _call_user(spec: str, prompts, completions, columns: dict) -> list[float]:
-    fn = load_function(spec)
-    return [float(x) for x in fn(prompts=prompts, completions=completions, **columns)]
+DEFAULT_WEIGHTS = {"format": 0.2}  # a shaping term; every other function counts 1.0 unless reward.weights says
+
+
+def reward_weights(names: list[str], weights: list[float] | None) -> list[float]:
+    """The weight of each reward function: reward.weights when given (one per function), else the default."""
+    if weights:
+        if len(weights) != len(names):
+            raise ValueError(f"{len(weights)} reward weights for {len(names)} reward functions ({', '.join(names)})")
+        return [float(w) for w in weights]
+    return [DEFAULT_WEIGHTS.get(n, 1.0) for n in names]
+
+
+def accuracy_verifier(setting: str, names: list[str]):
+    """The strict 0/1 verifier behind acc/mean, whatever the shaped reward is: reward.accuracy, where 'auto'
+    means the Countdown checker when the countdown reward is in use and final-answer math otherwise."""
+    if setting == "auto":
+        setting = "countdown" if "countdown" in names else "math"
+    if setting not in ("math", "countdown"):
+        raise ValueError(f"reward.accuracy={setting!r}: choose auto, math or countdown")
+    return BUILTIN[setting]
 
 
 def load_function(spec: str):
+    """`module:function`; the module is looked up on sys.path and then in the current directory (as TRL
+    users expect). Errors name the function and what went wrong (missing module, syntax error, ...)."""
     if ":" not in spec:
         raise ValueError(f"reward function {spec!r}: expected a built-in ({', '.join(BUILTIN)}) or 'module:function'")
     module, name = spec.split(":", 1)
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r} cannot be loaded: {e}") from e
+        mod = _import(module)
+    except Exception as e:  # SyntaxError, ImportError or anything the module raises at import
+        raise ValueError(f"reward function {spec!r}: importing module {module!r} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise ValueError(f"reward function {spec!r}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {name!r}")
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn
 
 
-@dataclass
-class RewardStats:
-    errors: int = 0
-    timeouts: int = 0
-    per_fn: dict[str, float] = field(default_factory=dict)  # mean of each function this step
-
-
-class RewardRunner:
-    def __init__(self, names: list[str], weights: list[float] | None = None, timeout_s: float = 10.0):
-        if not names:
-            raise ValueError("at least one reward function is needed")
-        self.names = list(names)
-        self.weights = list(weights) if weights else [1.0] * len(names)
-        if len(self.weights) != len(self.names):
-            raise ValueError(f"{len(self.weights)} reward weights for {len(self.names)} reward functions")
-        for n in self.names:
-            if n not in BUILTIN:
-                load_function(n)  # fail at start-up on a name that does not resolve, not mid-run
-        self.timeout_s = timeout_s
-        self._pool = None
-        self.total_errors = self.total_timeouts = 0
-
-    def _worker(self):
-        if self._pool is None:
-            self._pool = mp.get_context("spawn").Pool(1)
-        return self._pool
-
-    def _kill_worker(self):
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
-
-    def close(self):
-        self._kill_worker()
-
-    def _user(self, spec, prompts, completions, columns, stats: RewardStats) -> list[float]:
-        try:
-            out = self._worker().apply_async(_call_user, (spec, prompts, completions, columns)).get(self.timeout_s)
-            if len(out) != len(completions):
-                raise ValueError(f"returned {len(out)} rewards for {len(completions)} completions")
-            return [x if math.isfinite(x) else 0.0 for x in out]
-        except mp.TimeoutError:
-            self._kill_worker()
-            if len(completions) == 1:
-                stats.timeouts += 1
-                log.warning("reward %s ran over %.1fs on one sample: reward 0", spec, self.timeout_s)
-                return [0.0]
-        except Exception as e:
-            if len(completions) == 1:
-                stats.errors += 1
-                log.warning("reward %s raised on one sample (%s: %s): reward 0", spec, type(e).__name__, e)
-                return [0.0]
-        # the batch call failed: isolate the bad samples one by one
-        return [self._user(spec, prompts[i : i + 1], completions[i : i + 1],
-                           {k: v[i : i + 1] for k, v in columns.items()}, stats)[0] for i in range(len(completions))]
-
-    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> tuple[list[float], RewardStats]:
-        """columns: 'answer' and any extra dataset columns, one value per completion."""
-        stats = RewardStats()
-        total = [0.0] * len(completions)
-        for name, w in zip(self.names, self.weights):
-            if name in BUILTIN:
-                fn, vals = BUILTIN[name], []
-                for i, c in enumerate(completions):
-                    try:
-                        vals.append(float(fn(c, **{k: v[i] for k, v in columns.items()})))
-                    except Exception as e:
-                        stats.errors += 1
-                        log.warning("reward %s raised (%s): reward 0", name, e)
-                        vals.append(0.0)
-            else:
-                vals = self._user(name, prompts, completions, columns, stats)
-            stats.per_fn[name] = sum(vals) / max(len(vals), 1)
-            total = [t + w * v for t, v in zip(total, vals)]
-        self.total_errors += stats.errors
-        self.total_timeouts += stats.timeouts
-        return total, stats
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != module.split(".")[0] or cwd in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module)

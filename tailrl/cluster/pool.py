@@ -1,0 +1,121 @@
+"""Calls to workers that may fail: Ray actors (`RayPool`) or in-process workers (`LocalPool`, for tests and
+for tools that want the driver's logic without Ray). `gather` returns results and failures, never raises for
+a worker: a worker that raised, died, or did not answer within the timeout is reported failed (and, on Ray,
+killed), and the caller decides what to re-run."""
+
+from __future__ import annotations
+
+import logging
+
+from .workers import RolloutWorker, WorkerSpec, spawn, start_ray
+
+log = logging.getLogger(__name__)
+
+
+class LocalPool:
+    def __init__(self, spec: WorkerSpec, n: int):
+        self.spec = spec
+        self.workers = [RolloutWorker(spec, i) for i in range(n)]
+        self.dead: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def submit(self, i: int, method: str, *args):
+        try:
+            return ("ok", getattr(self.workers[i], method)(*args))
+        except Exception as e:  # noqa: BLE001 - a worker's failure is data for the driver
+            return ("err", e)
+
+    def gather(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
+        ok, failed = {}, {}
+        for i, (kind, value) in calls.items():
+            if kind == "ok":
+                ok[i] = value
+            else:
+                failed[i] = repr(value)
+                self.dead.add(i)
+        return ok, failed
+
+    def call(self, i: int, method: str, *args, timeout: float = 600.0):
+        ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
+        if i in failed:
+            raise WorkerFailed(i, failed[i])
+        return ok[i]
+
+    def put(self, value):
+        return value
+
+    def restart(self, i: int) -> None:
+        self.workers[i] = RolloutWorker(self.spec, i)
+        self.dead.discard(i)
+
+    def shutdown(self) -> None:
+        self.workers = []
+
+
+class RayPool:
+    def __init__(self, spec: WorkerSpec, n: int, address: str = ""):
+        import ray
+
+        start_ray(address)
+        self.ray, self.spec = ray, spec
+        self.gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        self.handles = [spawn(spec, i, self.gpus) for i in range(n)]
+        self.dead: set[int] = set()
+        ray.get([h.ping.remote() for h in self.handles])
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def submit(self, i: int, method: str, *args):
+        return getattr(self.handles[i], method).remote(*args)
+
+    def gather(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
+        refs = list(calls.values())
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        ready = set(ready)
+        ok, failed = {}, {}
+        for i, ref in calls.items():
+            if ref not in ready:
+                failed[i] = f"no answer within {timeout:.0f} s"
+                self.kill(i)
+                continue
+            try:
+                ok[i] = self.ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - RayActorError, or the worker's own exception
+                failed[i] = repr(e)
+                self.kill(i)
+        return ok, failed
+
+    def call(self, i: int, method: str, *args, timeout: float = 600.0):
+        ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
+        if i in failed:
+            raise WorkerFailed(i, failed[i])
+        return ok[i]
+
+    def put(self, value):
+        return self.ray.put(value)
+
+    def kill(self, i: int) -> None:
+        self.dead.add(i)
+        try:
+            self.ray.kill(self.handles[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def restart(self, i: int) -> None:
+        self.handles[i] = spawn(self.spec, i, self.gpus)
+        self.ray.get(self.handles[i].ping.remote())
+        self.dead.discard(i)
+
+    def shutdown(self) -> None:
+        for i in range(len(self.handles)):
+            self.kill(i)
+        self.handles = []
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, index: int, why: str):
+        super().__init__(f"worker {index} failed: {why}")
+        self.index = index

@@ -1,0 +1,318 @@
+"""The multi-worker rollout driver: place groups by predicted length, run workers in rounds, migrate the tail,
+forward siblings' tokens, survive dead or hung workers, merge statistics.
+
+Invariant (what the tests hold it to): the rollout equals the single-engine rollout for every (prompt, sample):
+same tokens, same logprobs, same order. Every sample keeps its seed (seed + sample_index) wherever it runs, and
+sampling noise is keyed by (seed, position), so placement, migration (RLHFSpec reallocation, re-prefill on the
+importer) and re-running a dead worker's samples change when tokens appear, never which tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from ..engine import Completions, SamplingParams
+from ..engine.stats import GenerateStats
+from .config import ClusterConfig
+from .cost import StepCost
+from .migrate import Candidate, plan_moves
+from .placement import LengthPredictor, Unit, length_metrics, place, prompt_key, static_split
+from .pool import LocalPool, RayPool, WorkerFailed
+from .workers import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    sample_index: int
+    worker: int = -1
+    local_id: int = -1
+    tokens: list[int] = field(default_factory=list)  # emitted so far (as reported by its worker)
+    sent: dict[int, int] = field(default_factory=dict)  # worker -> tokens of this sample forwarded there
+
+
+class ClusterRollout:
+    def __init__(self, spec: WorkerSpec, workers: int, cfg: ClusterConfig | None = None, cost: StepCost | None = None,
+                 local: bool = False, prior_length: float = 256.0, seed: int = 0):
+        """local: in-process workers (no Ray); otherwise `workers` Ray actors."""
+        self.cfg = cfg or ClusterConfig()
+        self.spec, self.cost = spec, cost or StepCost()
+        self.pool = LocalPool(spec, workers) if local else RayPool(spec, workers, self.cfg.address)
+        self.predictor = LengthPredictor(prior_length)
+        self.rng = random.Random(seed)
+        self.weights = None  # the last synced weights (object store ref): restarted workers load them
+        self.last_worker: dict[int, int] = {}  # prompt key -> worker that ran most of it (history affinity)
+        self.metrics: dict = {}
+
+    # ---- between steps ------------------------------------------------------------------------------------
+
+    def sync_weights(self, state_dict: dict) -> float:
+        """The policy's weights to every worker: one `put` into the object store, loaded by parameter name."""
+        t = time.perf_counter()
+        self.weights = self.pool.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        live = self._live()
+        _, failed = self.pool.gather({w: self.pool.submit(w, "load_weights", self.weights) for w in live},
+                                     self.cfg.step_timeout_s)
+        for w, why in failed.items():
+            log.warning("worker %d failed to load weights (%s); it restarts at the next step", w, why)
+        return time.perf_counter() - t
+
+    def history_state(self) -> dict | None:
+        return self.pool.call(self._live()[0], "history_state")
+
+    def load_history(self, state: dict | None) -> None:
+        for w in self._live():
+            self.pool.call(w, "load_history", state)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+    # ---- one rollout --------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 tasks: list[str | None] | None = None) -> Completions:
+        """Like Engine.generate: one Completion per sample in (prompt, sample) order, `.stats` merged."""
+        self.start(prompts, sampling, tasks)
+        while self.step():
+            pass
+        return self.finish()
+
+    def start(self, prompts: list, sampling=None, tasks=None) -> None:
+        self._revive()
+        sampling = sampling or SamplingParams()
+        params = list(sampling) if isinstance(sampling, list) else [sampling] * len(prompts)
+        # a request without a seed gets one here, so that a re-run or a migrated sample draws the same noise
+        self.params = [p if p.seed is not None else dataclasses.replace(p, seed=self.rng.randrange(2**62)) for p in params]
+        self.prompts, self.tasks = list(prompts), list(tasks or [None] * len(prompts))
+        self.samples = {(i, j): Sample(i, j) for i, p in enumerate(self.params) for j in range(p.n)}
+        self.done: dict[tuple[int, int], object] = {}
+        self.held: dict[int, dict[int, tuple[int, int]]] = {w: {} for w in range(len(self.pool))}
+        self.outbox: dict[int, list] = {w: [] for w in range(len(self.pool))}
+        self.busy = {w: 0.0 for w in range(len(self.pool))}
+        self.counts = {"cluster/migrated": 0, "cluster/reprefill_tokens": 0, "cluster/worker_failures": 0,
+                       "cluster/requeued": 0, "cluster/remote_tokens": 0, "cluster/rounds": 0, "cluster/idle_train_s": 0.0}
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.t0 = time.perf_counter()
+        live = self._live()
+        self.predicted = [self.predictor.predict(self.prompts[i], self.tasks[i]) for i in range(len(prompts))]
+        units = [Unit(i, 0, p.n, self.predicted[i]) for i, p in enumerate(self.params)]
+        max_seqs = getattr(self.spec.engine, "max_num_seqs", 256)
+        plan = (place(units, len(live), cost=self.cost, max_seqs=max_seqs) if self.cfg.placement == "histopipe"
+                else static_split(units, len(live)))
+        for w, bin_units in zip(self._affine(plan, live), plan):
+            self._add(w, bin_units)
+
+    def step(self) -> bool:
+        """One round: every worker with work runs about round_s of engine steps; then finished samples are
+        collected, siblings' tokens queued for forwarding, failures re-run, and idle workers take tail work."""
+        if len(self.done) == len(self.samples):
+            return False
+        calls = {}
+        for w in self._live():
+            if self.held[w]:
+                calls[w] = self.pool.submit(w, "run_round", self.cfg.round_s, self.outbox[w], self.cfg.round_steps or 1_000_000)
+                self.outbox[w] = []
+            elif self.cfg.idle_train:
+                calls[w] = self.pool.submit(w, "idle_work", self.cfg.round_s)
+        ok, failed = self.pool.gather(calls, self.cfg.step_timeout_s)
+        for w, out in ok.items():
+            self._collect(w, out)
+        for w, why in failed.items():
+            self._fail(w, why)
+        if self.cfg.migrate:
+            self._migrate()
+        self.counts["cluster/rounds"] += 1
+        return len(self.done) < len(self.samples)
+
+    def finish(self) -> Completions:
+        wall = time.perf_counter() - self.t0
+        live = self._live()
+        ok, failed = self.pool.gather({w: self.pool.submit(w, "end_rollout") for w in live}, self.cfg.step_timeout_s)
+        for w, why in failed.items():
+            log.warning("worker %d failed at the end of the rollout (%s); it restarts at the next step", w, why)
+        stats = GenerateStats()
+        for w, out in ok.items():
+            part = GenerateStats()
+            for r in out["records"]:
+                part.add(r)
+            stats.merge(part)
+        stats.total_s = wall
+        result = Completions(self.done[(i, j)] for i, p in enumerate(self.params) for j in range(p.n))
+        result.stats = stats
+        self.metrics = self._metrics(result, wall, [out.get("idle_state") for out in ok.values()])
+        for i in range(len(self.prompts)):
+            comps = [self.done[(i, j)] for j in range(self.params[i].n)]
+            if all(c.finish_reason != "error" for c in comps):
+                self.predictor.observe(self.prompts[i], self.tasks[i], [len(c.token_ids) for c in comps])
+        return result
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _live(self) -> list[int]:
+        live = [w for w in range(len(self.pool)) if w not in self.pool.dead]
+        if not live:
+            raise RuntimeError("every rollout worker has failed")
+        return live
+
+    def _revive(self) -> None:
+        """Workers that died in the last step come back with the current weights (and no history)."""
+        for w in sorted(self.pool.dead):
+            self.pool.restart(w)
+            if self.weights is not None:
+                self.pool.call(w, "load_weights", self.weights, timeout=self.cfg.step_timeout_s)
+
+    def _affine(self, plan: list[list[Unit]], live: list[int]) -> list[int]:
+        """Bins to workers: placement fixed the bins' loads, any permutation keeps them, so each bin goes to the
+        free worker that ran most of its prompts last time (that worker's history drafter holds them)."""
+        order = sorted(range(len(plan)), key=lambda b: -sum(u.count for u in plan[b]))
+        free, out = list(live), [0] * len(plan)
+        for b in order:
+            votes: dict[int, int] = {}
+            for u in plan[b]:
+                w = self.last_worker.get(prompt_key(self.prompts[u.prompt_index]))
+                if w in free:
+                    votes[w] = votes.get(w, 0) + u.count
+            pick = max(votes, key=lambda w: (votes[w], -w)) if votes else free[0]
+            free.remove(pick)
+            out[b] = pick
+        return out
+
+    def _add(self, w: int, units: list[Unit]) -> None:
+        if not units:
+            return
+        sampling = [dataclasses.replace(self.params[u.prompt_index], n=u.count,
+                                        seed=self.params[u.prompt_index].seed + u.first) for u in units]
+        try:
+            ids, prompt_ids = self.pool.call(w, "add", [self.prompts[u.prompt_index] for u in units], sampling,
+                                             [u.prompt_index for u in units], timeout=self.cfg.step_timeout_s)
+        except WorkerFailed as e:
+            self.counts["cluster/worker_failures"] += 1
+            log.warning("%s; its samples go elsewhere", e)
+            self._requeue([(u.prompt_index, u.first + j) for u in units for j in range(u.count)])
+            return
+        it = iter(ids)
+        for u, toks in zip(units, prompt_ids):
+            self.prompt_ids[u.prompt_index] = toks
+            for j in range(u.count):
+                self._hold(w, next(it), (u.prompt_index, u.first + j))
+
+    def _hold(self, w: int, local_id: int, key: tuple[int, int]) -> None:
+        s = self.samples[key]
+        s.worker, s.local_id = w, local_id
+        self.held[w][local_id] = key
+
+    def _collect(self, w: int, out) -> None:
+        self.busy[w] += out.busy_s
+        self.counts["cluster/idle_train_s"] += out.idle_s
+        grown = []
+        for c in out.finished:
+            key = self.held[w].pop(c.seq_id)
+            self.done[key] = dataclasses.replace(c, prompt_index=key[0], sample_index=key[1])
+            self.samples[key].tokens = list(c.token_ids)
+            self.last_worker[prompt_key(self.prompts[key[0]])] = w
+            grown.append(key)
+        for local_id, toks in out.tokens.items():
+            key = self.held[w].get(local_id)
+            if key is not None:
+                self.samples[key].tokens += toks
+                grown.append(key)
+        if self.cfg.sibling_drafting and grown:
+            self._forward(w, grown)
+
+    def _forward(self, w: int, keys: list[tuple[int, int]]) -> None:
+        """Seer's group drafting across workers: a sample's new tokens go to every other worker holding a
+        running sibling of its group, where they feed the history drafter's live sibling index."""
+        holders: dict[int, set[int]] = {}
+        for v in self._live():
+            for key in self.held[v].values():
+                holders.setdefault(key[0], set()).add(v)
+        for key in keys:
+            s = self.samples[key]
+            for v in holders.get(key[0], ()):
+                sent = s.sent.get(v, 0)
+                if v != w and len(s.tokens) > sent:
+                    self.outbox[v].append((self.prompt_ids[key[0]], key, s.tokens[sent:]))
+                    self.counts["cluster/remote_tokens"] += len(s.tokens) - sent
+                    s.sent[v] = len(s.tokens)
+
+    def _fail(self, w: int, why: str) -> None:
+        self.counts["cluster/worker_failures"] += 1
+        keys = list(self.held[w].values())
+        log.warning("worker %d failed (%s): re-running its %d unfinished samples elsewhere", w, why, len(keys))
+        self.held[w] = {}
+        self.outbox[w] = []
+        self._requeue(keys)
+
+    def _requeue(self, keys: list[tuple[int, int]]) -> None:
+        """Unfinished samples of a failed worker start over on the least loaded live workers (same seeds: the
+        very same tokens come out)."""
+        self.counts["cluster/requeued"] += len(keys)
+        for key in keys:
+            s = self.samples[key]
+            s.tokens, s.sent = [], {}
+            w = min(self._live(), key=lambda v: (len(self.held[v]), v))
+            self._add(w, [Unit(key[0], key[1], 1, self.predicted[key[0]])])
+
+    def _migrate(self) -> None:
+        """Idle workers take tail work: each from the donor with the most predicted time left, what the cost
+        rule (migrate.plan_moves) says pays, shared among the idle workers."""
+        for recv in [w for w in self._live() if not self.held[w]]:
+            live = self._live()
+            donors = [w for w in live if len(self.held[w]) >= self.cfg.migrate_min_running]
+            if recv not in live or self.held[recv] or not donors:
+                continue
+            rem = {w: [self._remaining(k) for k in self.held[w].values()] for w in donors}
+            donor = max(donors, key=lambda w: (self.cost.base_s * max(rem[w]) + self.cost.per_token_s * sum(rem[w]), -w))
+            cands = [Candidate(i, len(self.prompt_ids.get(k[0], [])), len(self.samples[k].tokens), r)
+                     for (i, k), r in zip(self.held[donor].items(), rem[donor])]
+            n_idle = sum(1 for w in live if not self.held[w])
+            moves = plan_moves(cands, 0, self.cost, self.cfg.migrate_min_running, self.cfg.migrate_margin,
+                               max_moves=max(len(cands) // n_idle, 1))
+            if moves:
+                self._move(donor, recv, [c.key for c in moves])
+
+    def _remaining(self, key: tuple[int, int]) -> float:
+        p = self.params[key[0]]
+        return self.predictor.remaining(self.prompts[key[0]], self.tasks[key[0]], len(self.samples[key].tokens),
+                                        p.max_tokens)
+
+    def _move(self, donor: int, recv: int, ids: list[int]) -> None:
+        try:
+            states = self.pool.call(donor, "export", ids, timeout=self.cfg.step_timeout_s)
+        except WorkerFailed as e:
+            self._fail(donor, str(e))
+            return
+        keys = [self.held[donor].pop(i) for i in ids]
+        try:
+            new_ids = self.pool.call(recv, "import_", states, timeout=self.cfg.step_timeout_s)
+        except WorkerFailed as e:
+            self._fail(recv, str(e))
+            self._requeue(keys)
+            return
+        for i, key, st in zip(new_ids, keys, states):
+            self._hold(recv, i, key)
+            s = self.samples[key]
+            s.tokens = list(st.output_ids)
+            s.sent.pop(recv, None)
+            s.sent[donor] = len(s.tokens)  # the donor's history already holds these tokens
+            if st.output_ids:
+                self.counts["cluster/reprefill_tokens"] += len(st.prompt_ids) + len(st.output_ids)
+        self.counts["cluster/migrated"] += len(ids)
+
+    def _metrics(self, comps, wall: float, idle_states: list) -> dict:
+        m = dict(self.counts)
+        actual = [sum(len(self.done[(i, j)].token_ids) for j in range(p.n)) / p.n for i, p in enumerate(self.params)]
+        m.update(length_metrics(self.predicted, actual))
+        for w in range(len(self.pool)):
+            m[f"cluster/busy_s/{w}"] = self.busy[w]
+            m[f"cluster/idle_s/{w}"] = max(wall - self.busy[w], 0.0)
+        m["cluster/idle_frac"] = 1 - sum(self.busy.values()) / (len(self.pool) * wall) if wall else 0.0
+        idle_total = sum(max(wall - b, 0.0) for b in self.busy.values())
+        m["cluster/idle_train_share"] = self.counts["cluster/idle_train_s"] / idle_total if idle_total else 0.0
+        self.idle_states = [s for s in idle_states if s is not None]  # drafter updates to merge (trainer)
+        return m

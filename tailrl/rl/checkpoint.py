@@ -1,0 +1,153 @@
+"""RL checkpoints: `run/checkpoints/step_NNNNNN/` with the policy (HF safetensors), the trainer state (optimizer,
+RNG, step, data position, history index, drafter trainer), the config and the learned drafter head.
+
+Invariants:
+- A checkpoint exists whole or not at all: it is written to `.tmp_step_N` and renamed; `latest` is replaced
+  atomically after the rename. A failed write (a full disk) removes the partial folder and leaves the previous
+  checkpoint and `latest` as they were.
+- A policy with a non-finite weight is never written.
+- Reading falls back: a missing or corrupt `latest`, or a checkpoint whose files do not load, gives a warning
+  naming the file and the next older checkpoint is tried.
+- Pruning keeps the newest `keep` checkpoints at or before the step just written (newer ones belong to a
+  timeline abandoned by a fallback)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
+from ..model import save_pretrained
+
+log = logging.getLogger(__name__)
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class Loaded:
+    path: Path
+    model: dict  # state dict of the policy as saved (tied LM head not repeated)
+    state: dict  # trainer_state.pt
+    config: dict  # the run's config when it was saved
+    drafter: EagleDrafter | None
+
+
+def non_finite_params(module: torch.nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir() and (m := _STEP.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_name(root: Path) -> str | None:
+    f = root / "latest"
+    try:
+        name = f.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if _STEP.match(name) else None
+
+
+def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, config: dict,
+                    head: EagleDrafter | None = None, keep: int = 2) -> Path:
+    bad = non_finite_params(policy)
+    if bad:
+        prev = latest_name(root)
+        raise CheckpointError(f"refusing to save step {step}: {len(bad)} policy tensors hold NaN/inf ({', '.join(bad[:3])}); "
+                              f"the latest checkpoint stays {prev or 'none'}")
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_pretrained(policy, tmp / "model", tokenizer)
+        if head is not None:
+            save_drafter(head, tmp / "drafter", meta={"rl_step": step})
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a checkpoint exists whole or not at all
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_name(root)
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {root}: {e.strerror or e}; "
+                              f"the previous checkpoint ({prev or 'none'}) is intact") from e
+    prune(root, step, keep)
+    return final
+
+
+def prune(root: Path, step: int, keep: int) -> None:
+    dirs = step_dirs(root)
+    kept = [p for p in dirs if int(p.name[5:]) <= step][-keep:]
+    for p in dirs:
+        if p not in kept:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp_step_*"):  # left by a run killed while saving
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def candidates(root: Path) -> list[Path]:
+    """The checkpoint `latest` names, then every other complete one, newest first."""
+    dirs = step_dirs(root)[::-1]
+    name = latest_name(root)
+    if dirs and (name is None or not (root / name).is_dir()):
+        log.warning("%s is missing or corrupt: using the newest checkpoint folder instead", root / "latest")
+        return dirs
+    return [root / name] + [d for d in dirs if d.name != name] if name else dirs
+
+
+def load_checkpoint(root: Path) -> Loaded | None:
+    """The newest checkpoint under root whose files all load, or None when there is none."""
+    from safetensors.torch import load_file
+
+    for ckpt in candidates(root):
+        f = ckpt / "model" / "model.safetensors"
+        try:
+            model = load_file(str(f))
+            f = ckpt / "trainer_state.pt"
+            state = torch.load(f, weights_only=False)
+            f = ckpt / "config.json"
+            config = json.loads(f.read_text())
+            f = ckpt / "drafter"
+            drafter = load_drafter(f) if f.is_dir() else None
+        except Exception as e:  # truncated, corrupt or missing: any of them makes the checkpoint unusable
+            log.warning("checkpoint %s is unusable (%s: %s: %s): trying the one before", ckpt.name, f,
+                        type(e).__name__, str(e)[:200])
+            continue
+        return Loaded(ckpt, model, state, config, drafter)
+    return None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """'key: old -> new' for every config value that differs from the checkpoint's (resume/overwrite aside)."""
+    a, b = _flat(saved), _flat(now)
+    skip = {"trainer.resume", "trainer.overwrite"}
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
+            if k not in skip and a.get(k) != b.get(k)]

@@ -1,0 +1,71 @@
+"""`train`: the run around the RL steps. It claims the run folder (lock; refuses to replace a run unless
+asked), resumes, logs metrics, evaluates and saves periodically, and stops cleanly on SIGINT/SIGTERM.
+
+Invariant: whatever ends the run (the last step, an error, a signal), the reward worker, the spot trainer
+and the folder lock are released; a signal never interrupts a checkpoint or a metrics line being written."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from ..config import Config, to_dict
+from ..metrics import LiveView, MetricsWriter
+from . import run_dir
+from .checkpoint import latest_name
+from .stop import Interrupted, StopOnSignal
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: Config, console=None) -> Path:
+    """Runs cfg.trainer.steps steps (from the last checkpoint with trainer.resume); returns the run folder.
+    Raises Interrupted (with the step and latest checkpoint) on SIGINT/SIGTERM."""
+    out = Path(cfg.trainer.out_dir)
+    lock = run_dir.claim(out, cfg.trainer.resume, cfg.trainer.overwrite)
+    trainer = writer = view = None
+    try:
+        with StopOnSignal() as stop:
+            try:
+                trainer = Trainer(cfg)
+                resumed = cfg.trainer.resume and trainer.resume()
+                (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+                writer = MetricsWriter(out, resume_step=trainer.step if resumed else None)
+                view = LiveView(cfg.trainer.steps, trainer.step, console)
+                _loop(trainer, writer, view, stop)
+            except Interrupted as e:
+                e.step = trainer.step if trainer is not None else None
+                e.latest = latest_name(out / "checkpoints")
+                raise
+    finally:
+        for closer in (view, writer, trainer):
+            if closer is not None:
+                closer.close()
+        lock.release()
+    return out
+
+
+def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnSignal) -> None:
+    cfg = trainer.cfg
+    if trainer.step == 0 and cfg.trainer.eval_every:
+        t = time.perf_counter()
+        m = trainer.evaluate()
+        m["timing_s/eval"] = time.perf_counter() - t
+        with stop.critical():
+            writer.log(0, m)
+        view.eval(0, m)
+    while trainer.step < cfg.trainer.steps:
+        metrics = trainer.train_step()
+        with stop.critical():
+            writer.log(trainer.step, metrics)
+        view.update(trainer.step, metrics)
+        trainer.guard.after_step(trainer.step, metrics, trainer.skip_reason)
+        last = trainer.step == cfg.trainer.steps
+        if (cfg.trainer.save_every and trainer.step % cfg.trainer.save_every == 0) or last:
+            t = time.perf_counter()
+            with stop.critical():
+                trainer.save(final=last)
+            log.info("checkpoint at step %d (%.1fs)", trainer.step, time.perf_counter() - t)
