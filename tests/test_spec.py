@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model

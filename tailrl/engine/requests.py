@@ -58,6 +58,14 @@ def make_group(first_id: int, index: int, ids: list[int], params: SamplingParams
     return group
 
 
+def failed_group(first_id: int, index: int, params: SamplingParams, error: str) -> list[Sequence]:
+    """A rejected request's samples, finished with the error that names the problem."""
+    group = [Sequence(first_id + j, index, j, [], params, 0, 0, frozenset(), time.perf_counter()) for j in range(params.n)]
+    for s in group:
+        s.finish("error", error)
+    return group
+
+
 @dataclass
 class SeqState:
     """A running or waiting sequence, portable between engines (picklable: lists, ints, floats, params)."""

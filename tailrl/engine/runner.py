@@ -129,3 +129,13 @@ class ModelRunner:
         if slots:
             dev = self.device
             self.kv.move(torch.tensor(slots, device=dev), torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+    def path_rows(self, rows: torch.Tensor, q_lens: list[int], accepted: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, the rows of a decode pass's output (hidden states) on its verified path: the root, then
+        the accepted nodes."""
+        idx, counts, off = [], [], 0
+        for q, nodes in zip(q_lens, accepted):
+            idx += [off] + [off + 1 + a for a in nodes]
+            counts.append(1 + len(nodes))
+            off += q
+        return list(rows[torch.tensor(idx, device=rows.device)].split(counts))

@@ -61,6 +61,12 @@ def sample_tensor(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], 
     return tokens
 
 
+def sample_first(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float]]:
+    """The first token of each sequence (output position 0) from its row of prefill logits."""
+    logp = warped_logprobs(logits, *warp_tensors([s.params for s in seqs], logits.device))
+    return sample(logp, [s.params.greedy for s in seqs], [s.seed for s in seqs], [0] * len(seqs))
+
+
 def decide(logits: torch.Tensor, seqs: list, trees: list | None, q_lens: list[int],
            depths: torch.Tensor | None) -> list[Verdict]:
     """What each sequence of a decode pass emits. Plain rows and the rows of deterministic trees are drawn in

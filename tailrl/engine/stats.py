@@ -7,6 +7,8 @@ caller sets `total_s` to the wall time)."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field, fields
 
 from ..spec.selector import batch_bucket
@@ -150,3 +152,45 @@ class Completions(list):
     """The completions of one generate call, with that call's engine statistics in `.stats`."""
 
     stats: GenerateStats
+
+
+class Collector:
+    """Gathers the completions and statistics of a set of requests from the steps that run them (the loop a
+    caller driving `Engine.step()` writes is: while has_work: collector.add(engine.step()))."""
+
+    def __init__(self, ids: list[int], tail_batch: int):
+        self.ids = ids
+        self.stats = GenerateStats(tail_batch=tail_batch)
+        self.done: dict = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, out) -> None:
+        self.stats.add(out.record)
+        self.done.update((c.seq_id, c) for c in out.finished)
+
+    def result(self) -> Completions:
+        """One completion per id, in the order of ids; `.stats` with the wall time since the collector began."""
+        self.stats.total_s = time.perf_counter() - self.t0
+        result = Completions(self.done[i] for i in self.ids)
+        result.stats = self.stats
+        return result
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, show: bool):
+    """A tqdm bar over finished sequences, or nothing."""
+    if not show:
+        yield _NoBar()
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="generate", unit="seq", dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()
