@@ -53,10 +53,11 @@ class KVCache:
     def touch(self, length: int) -> None:
         """Makes positions < length safe to read (zeroes what was never written)."""
         if length > self.zeroed:
+            end = min(self.capacity, max(length, 2 * self.zeroed, 64))  # in growing chunks: few calls per rollout
             for store in (self.k, self.v):
                 for t in store:
-                    t[:, :, self.zeroed : length].zero_()
-            self.zeroed = length
+                    t[:, :, self.zeroed : end].zero_()
+            self.zeroed = end
 
     def ensure(self, num_slots: int, length: int) -> None:
         if num_slots > self.slots or length > self.capacity:
