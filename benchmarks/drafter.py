@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tailrl.config import load_config  # noqa: E402
-from tailrl.drafter import DrafterConfig, load_drafter, save_drafter  # noqa: E402
+from tailrl.drafter import DrafterConfig, load_drafter, make_speculator, save_drafter  # noqa: E402
 from tailrl.drafter.offline import train_offline  # noqa: E402
 from tailrl.drafter.propose import LearnedDrafter  # noqa: E402
 from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -68,10 +68,10 @@ def draft_cost(warm: Path) -> list[tuple]:
     prompt = chat_prompt("What is 123 + 456? Think step by step.")
     for B in (1, 4, 32):
         drafter = LearnedDrafter(head, DrafterConfig(topk=1, min_prob=0.0))
-        eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="learned", budgets=(1,), init_depth=1,
-                                                                             min_depth=1)), learned=drafter)
+        spec = SpecConfig(mode="learned", budgets=(1,), init_depth=1, min_depth=1)
+        eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=spec), make_speculator(spec, drafter))
         times = {"target": [], "draft": []}
-        orig_propose = drafter.propose_batch
+        orig_propose = drafter.propose
 
         def timed_propose(seqs, budgets, depths):
             t = time.perf_counter()
@@ -79,7 +79,7 @@ def draft_cost(warm: Path) -> list[tuple]:
             times["draft"].append(time.perf_counter() - t)
             return out
 
-        drafter.propose_batch = timed_propose
+        drafter.propose = timed_propose
         eng.generate([prompt], SamplingParams(n=B, max_tokens=24, temperature=1.0, seed=0, ignore_eos=True))
         plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0))
         st = plain.generate([prompt], SamplingParams(n=B, max_tokens=24, temperature=1.0, seed=0, ignore_eos=True)).stats
@@ -107,8 +107,9 @@ def replay(policy, tok, warm: Path, online_head, args) -> list[tuple]:
         for name, mode, head in setups:
             toks, secs, acc = 0, 0.0, []
             for p_i, prompt in enumerate(prompts[:2]):
-                eng = Engine(policy, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=mode)),
-                             learned=LearnedDrafter(head, DrafterConfig()) if head is not None else None)
+                spec = SpecConfig(mode=mode)
+                eng = Engine(policy, tok, EngineConfig(kv_cache_gb=1.0, spec=spec),
+                             make_speculator(spec, LearnedDrafter(head, DrafterConfig()) if head is not None else None))
                 for epoch in range(2):
                     params = SamplingParams(n=B, max_tokens=args.max_tokens, temperature=1.0, seed=100 * epoch + p_i)
                     st = eng.generate([prompt], params).stats

@@ -84,7 +84,9 @@ def cmd_generate(args) -> int:
         return 2
     chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) and p else p for p, err in rows if err is None]
-    engine = Engine(model, tokenizer, config, learned=learned)
+    from .drafter.compose import make_speculator
+
+    engine = Engine(model, tokenizer, config, make_speculator(config.spec, learned))
     for epoch in range(args.epochs - 1):  # earlier epochs feed the history drafter, as in RL
         engine.generate(prompts, sampling, progress=not args.quiet)
         print(f"epoch {epoch}: {json.dumps(engine.last_stats.summary())}")

@@ -81,3 +81,17 @@ def make_tiny_chat_model(folder, seed: int = 0):
     make_tiny_checkpoint(folder, "tinychat", seed=seed, vocab=len(TINY_WORDS))
     fast.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_peaked(tmp_path_factory):
+    """A tiny random Llama with a 4-token vocabulary and peaked, context-dependent distributions."""
+    from tailrl.model import load_model
+
+    folder = tmp_path_factory.mktemp("tiny_v4")
+    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=4)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(4.0)
+    hf.save_pretrained(folder)
+    model, _ = load_model(str(folder), device="cpu")
+    return model

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from tailrl.drafter import DrafterConfig, EagleDrafter, load_drafter, save_drafter
+from tailrl.drafter import DrafterConfig, EagleDrafter, load_drafter, make_speculator, save_drafter
 from tailrl.drafter.buffer import DraftBuffer
 from tailrl.drafter.offline import collect, split, train_epochs
 from tailrl.drafter.propose import LearnedDrafter
@@ -14,7 +14,7 @@ from tailrl.drafter.train import DrafterTrainer, SpotTrainer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.spec.config import SpecConfig
 from tests.stats import chisquare_pvalue
-from tests.test_spec import CHATS, assert_same_or_tie, exact_joint, tiny_peaked  # noqa: F401 (fixture)
+from tests.helpers import CHATS, assert_same_or_tie, exact_joint
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def trained_head(model, tok, prompts, cfg, n=4, max_tokens=16, steps=3, seed=0):
     return head
 
 
-def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):  # noqa: F811
+def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):
     """Rollouts drafted by a (briefly trained) EAGLE head with draft probabilities q, verified by rejection
     sampling, against the exact distribution of 4-token continuations; chi-square at significance 0.001."""
     D, N = 4, 3000
@@ -43,8 +43,9 @@ def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):  # noqa: 
     head = trained_head(tiny_peaked, None, [[1, 2, 3, 1], [3, 2, 1, 0], [0, 1, 1, 2]], cfg, n=16, max_tokens=8)
     params = SamplingParams(temperature=0.9, max_tokens=D, n=N, seed=5, ignore_eos=True)
     joint = exact_joint(tiny_peaked, prompt, params, D)
-    eng = Engine(tiny_peaked, None, EngineConfig(kv_cache_gb=0.5, spec=SpecConfig(mode="learned", budgets=(3,))),
-                 learned=LearnedDrafter(head, cfg))
+    spec = SpecConfig(mode="learned", budgets=(3,))
+    eng = Engine(tiny_peaked, None, EngineConfig(kv_cache_gb=0.5, spec=spec),
+                 make_speculator(spec, LearnedDrafter(head, cfg)))
     outs = eng.generate([prompt], params)
     drafted = sum(o.stats["drafted"] for o in outs)
     accepted = sum(o.stats["accepted"] for o in outs)
@@ -61,8 +62,9 @@ def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
     head = EagleDrafter(model.config, torch.arange(2000)).bind(model)
-    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=mode, epsilon=0.3)),
-                 learned=LearnedDrafter(head, DrafterConfig(topk=3)))
+    spec = SpecConfig(mode=mode, epsilon=0.3)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=spec),
+                 make_speculator(spec, LearnedDrafter(head, DrafterConfig(topk=3))))
     for _ in range(2):
         outs = eng.generate(CHATS, params)
         for ref, out in zip(plain, outs):
@@ -70,7 +72,7 @@ def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
     if mode == "learned":
         assert sum(o.stats.get("drafted/learned", 0) for o in outs) > 0
     else:  # auto offers the learned and merged drafters to the selector next to the model-free ones
-        assert {"learned", "history+learned"} <= {a.drafter for a in eng.selector.arms}
+        assert {"learned", "history+learned"} <= {a.drafter for a in eng.speculator.selector.arms}
 
 
 def test_engine_captures_the_target_hidden_states(smollm):
@@ -130,7 +132,8 @@ def test_spot_training_pauses_promptly_and_never_touches_a_running_rollout(tiny_
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
     plain = Engine(model, None, EngineConfig(kv_cache_gb=0.2)).generate(prompts, params)
-    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=SpecConfig(mode="learned")), learned=LearnedDrafter(head, cfg))
+    spec = SpecConfig(mode="learned")
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=spec), make_speculator(spec, LearnedDrafter(head, cfg)))
     try:
         assert spot.resume()
         outs = eng.generate(prompts, params)  # drafting from `head` while the trainer updates its own copy
@@ -210,16 +213,17 @@ def test_export_then_reload_gives_identical_drafts(smollm, tmp_path):
     trees = []
     for h in (head, again):
         drafter = LearnedDrafter(h, DrafterConfig(topk=3))
-        eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="learned", budgets=(6,))), learned=drafter)
+        spec = SpecConfig(mode="learned", budgets=(6,))
+        eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=spec), make_speculator(spec, drafter))
         got = []
-        orig = drafter.propose_batch
+        orig = drafter.propose
 
         def spy(seqs, budgets, depths, orig=orig, got=got):
             out = orig(seqs, budgets, depths)
             got.extend((t.tokens, t.parents, {k: v.clone() for k, v in t.q.items()}) if t else None for t in out)
             return out
 
-        drafter.propose_batch = spy
+        drafter.propose = spy
         eng.generate(CHATS[:2], params)
         trees.append(got)
     assert len(trees[0]) == len(trees[1]) > 0

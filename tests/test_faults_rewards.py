@@ -111,12 +111,12 @@ def _gone(pid: int) -> bool:
 
 def test_a_stuck_reward_worker_dies_with_the_run(tmp_path):
     spin = tmp_path / "spin_pid"
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import threading, time
         from tailrl.rl.reward_runner import RewardRunner
         if __name__ == "__main__":
             runner = RewardRunner(["tests.test_faults_rewards:spins"], timeout_s=600)
-            threading.Thread(target=lambda: runner(["p"], ["c"], {{"answer": ["1"]}}), daemon=True).start()
+            threading.Thread(target=lambda: runner(["p"], ["c"], {"answer": ["1"]}), daemon=True).start()
             time.sleep(600)
         """)
     (tmp_path / "run.py").write_text(script)

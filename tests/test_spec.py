@@ -1,51 +1,14 @@
-import itertools
-
 import pytest
-import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.engine.sampler import warp_tensors, warped_logprobs
 from tailrl.model import load_model
 from tailrl.spec.config import SpecConfig
 from tailrl.spec.drafters import HistoryDrafter, NgramDrafter
 from tailrl.spec.selector import OFF, Selector
 from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
 from tailrl.spec.tree import DraftTree
+from tests.helpers import CHATS, assert_same_or_tie, exact_joint
 from tests.stats import chisquare_pvalue
-
-LOGIT_SCALE = 4.0
-CHATS = [
-    [{"role": "user", "content": "List the first ten prime numbers."}],
-    [{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
-    [{"role": "user", "content": "What is the capital of Japan? Answer in one sentence."}],
-    [{"role": "user", "content": "Spell the word 'banana' letter by letter."}],
-]
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def assert_same_or_tie(model, ref, out, params: SamplingParams, tol: float) -> None:
-    """out equals ref, or first differs where the two best (noise-perturbed, if sampling) scores tie within tol."""
-    from tailrl.spec.noise import gumbel, position_generator
-
-    i = first_difference(ref.token_ids, out.token_ids)
-    if i is None:
-        return
-    ids = torch.tensor(ref.prompt_token_ids + ref.token_ids[:i])
-    with torch.no_grad():
-        logits = model.forward_full(ids[None])[0][0, -1:]
-    scores = logits[0].double()
-    if not params.greedy:
-        lp = warped_logprobs(logits, *warp_tensors([params], "cpu"))[0]
-        scores = lp.double() + gumbel(position_generator(params.seed + ref.sample_index, i), lp.shape[-1])
-    top2 = torch.topk(scores, 2).values
-    assert float(top2[0] - top2[1]) < tol, f"token {i} differs without a tie"
-
 
 @pytest.mark.parametrize("mode", ["history", "ngram", "auto"])
 def test_greedy_with_speculation_equals_without(smollm, mode):
@@ -74,30 +37,6 @@ def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm):
     assert sum(o.stats["accepted"] for o in outs) > 0
     for ref, out in zip(plain, outs):
         assert_same_or_tie(model, ref, out, params, 1e-4)
-
-
-@pytest.fixture(scope="module")
-def tiny_peaked(tmp_path_factory):
-    """A tiny random Llama with a 4-token vocabulary and peaked, context-dependent distributions."""
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_v4")
-    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=4)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(LOGIT_SCALE)
-    hf.save_pretrained(folder)
-    model, _ = load_model(str(folder), device="cpu")
-    return model
-
-
-def exact_joint(model, prompt: list[int], params: SamplingParams, D: int) -> dict:
-    seqs = list(itertools.product(range(4), repeat=D))
-    ids = torch.tensor([prompt + list(s) for s in seqs])
-    with torch.no_grad():
-        logits = model.forward_full(ids)[0][:, len(prompt) - 1 : -1]
-    lp = warped_logprobs(logits.reshape(-1, 4), *warp_tensors([params] * (len(seqs) * D), "cpu")).view(len(seqs), D, 4)
-    picked = lp.gather(-1, ids[:, len(prompt) :, None]).squeeze(-1).sum(-1)
-    return {s: float(p) for s, p in zip(seqs, picked.exp())}
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)],
@@ -169,14 +108,14 @@ def test_a_failing_or_wrong_drafter_never_changes_a_token(smollm, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
 
-    def bad_propose(self, seq, budget, depth):
+    def bad_propose(self, seq, budget, depth):  # the batch call fails, then each sequence is retried alone
         if seq.prompt_index == 0:
             raise RuntimeError("drafter bug")
         if seq.prompt_index == 1:
             return DraftTree([10**7], [-1])  # outside the vocabulary: rejected by validation
         return DraftTree.chain([(t * 7 + 3) % 1000 for t in range(min(budget, depth))])  # wrong tokens
 
-    monkeypatch.setattr(NgramDrafter, "propose", bad_propose)
+    monkeypatch.setattr(NgramDrafter, "propose_one", bad_propose)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="ngram")))
     outs = eng.generate(CHATS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -203,7 +142,7 @@ def test_history_keeps_last_epochs_and_round_trips(tiny_ckpt_v96):
     prompts = [[3, 4, 5, 6], [7, 8, 9]]
     for epoch in range(3):
         eng.generate(prompts, SamplingParams(n=2, max_tokens=6, seed=epoch, ignore_eos=True))
-    hist: HistoryDrafter = eng.drafters["history"]
+    hist: HistoryDrafter = eng.speculator.drafters["history"]
     state = hist.state_dict()
     assert len(state["prompts"]) == 2 and all(len(p["epochs"]) == 2 for p in state["prompts"])
     again = HistoryDrafter(cfg)

@@ -6,7 +6,7 @@ verified since the last one (their hidden states come from the engine), which al
 distribution; the tree then grows level by level (EAGLE-2): the top-k nodes of the newest level by
 cumulative draft probability are expanded, each into its top-k children, and the `budget` best nodes by
 cumulative probability are kept. Sampled requests draw children without replacement from the draft
-distribution q (Gumbel top-k on a noise stream separate from the verifier's) and carry q for lossless
+distribution q (one after another, keyed uniforms on a stream separate from the verifier's) and carry q for lossless
 rejection sampling; greedy requests take the top-k deterministically."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import math
 
 import torch
 
-from ..engine.kv_cache import KVCache
 from ..model.step import make_step
-from ..spec.noise import gumbel, position_generator
+from ..spec.noise import draw_without_replacement
 from ..spec.tree import DraftTree
 from .config import DrafterConfig
 from .eagle import EagleDrafter
@@ -35,9 +34,13 @@ class _Node:
 
 
 class _BatchDrafter:
-    """Drafters that propose for the whole batch at once; per-sequence calls go through the batch path."""
+    """Drafters that propose for the whole batch at once with head forwards (the spec Drafter protocol)."""
 
-    shadow_seqs, shadow_every = 1, 4  # shadow drafts cost head forwards: one sequence every 4th step
+    costly = True  # shadow drafts cost head forwards: the speculator runs them rarely
+    needs_hidden = True
+
+    def attach(self, kv) -> None:
+        pass
 
     def start(self, seq) -> None:
         pass
@@ -45,11 +48,8 @@ class _BatchDrafter:
     def accept(self, seq, tokens) -> None:
         pass
 
-    def end_step(self) -> None:
+    def end_rollout(self) -> None:
         pass
-
-    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
-        return self.propose_batch([seq], [budget], [depth])[0]
 
 
 class LearnedDrafter(_BatchDrafter):
@@ -58,14 +58,11 @@ class LearnedDrafter(_BatchDrafter):
     def __init__(self, head: EagleDrafter, cfg: DrafterConfig | None = None):
         self.head = head
         self.cfg = cfg or DrafterConfig()
-        self.kv: KVCache | None = None
+        self.kv = None
 
-    def attach(self, target_kv: KVCache) -> None:
-        """Gives the head a KV cache that follows the target cache's slots."""
-        per_token = 2 * self.head.config.num_key_value_heads * self.head.config.head_dim * self.head.fc.weight.dtype.itemsize
-        self.kv = KVCache(self.head.config, (target_kv.budget_tokens + 4096) * per_token, target_kv.device,
-                          self.head.fc.weight.dtype)
-        target_kv.mirrors.append(self.kv)
+    def attach(self, kv) -> None:
+        """Gives the head a KV cache in the target cache's slots, with room for tree entries past a sequence."""
+        self.kv = kv.mirror(self.head.config, self.cfg.topk * 32 + 8, self.head.fc.weight.dtype)
 
     # ---- drafter interface ------------------------------------------------------------------------------
 
@@ -73,7 +70,7 @@ class LearnedDrafter(_BatchDrafter):
         seq.spec["learned_len"] = 0
 
     @torch.inference_mode()
-    def propose_batch(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
+    def propose(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
         live = [i for i, s in enumerate(seqs) if budgets[i] > 0 and depths[i] > 0 and s.hidden]
         out: list[DraftTree | None] = [None] * len(seqs)
         if not live:
@@ -114,11 +111,9 @@ class LearnedDrafter(_BatchDrafter):
         k = min(k, logq.shape[-1])
         if greedy:
             vals, idx = torch.topk(logq, k)
-        else:
-            noise = gumbel(position_generator(s.seed ^ DRAFT_SALT, stream), logq.shape[-1]).to(logq.device)
-            _, idx = torch.topk(logq.double() + noise, k)
-            vals = logq[idx]
-        return idx.tolist(), vals.tolist()
+            return idx.tolist(), vals.tolist()
+        idx = draw_without_replacement(logq, s.seed ^ DRAFT_SALT, stream, k)
+        return idx, logq[idx].tolist()
 
     def _grow(self, seqs, root_g, budgets, depths) -> list[DraftTree | None]:
         head, k = self.head, self.cfg.topk
@@ -238,8 +233,8 @@ class MergedDrafter(_BatchDrafter):
     def __init__(self, history, learned: LearnedDrafter, min_len: int = 2):
         self.history, self.learned, self.min_len = history, learned, min_len
 
-    def propose_batch(self, seqs, budgets, depths):
-        out = [self.history.propose(s, b, d) if b > 0 and d > 0 else None for s, b, d in zip(seqs, budgets, depths)]
+    def propose(self, seqs, budgets, depths):
+        out = self.history.propose(seqs, budgets, depths)
         rest = [0 if t is not None and len(t) >= min(self.min_len, b) else b for t, b in zip(out, budgets)]
-        learned = self.learned.propose_batch(seqs, rest, depths)
+        learned = self.learned.propose(seqs, rest, depths)
         return [t if r == 0 else lt for t, r, lt in zip(out, rest, learned)]

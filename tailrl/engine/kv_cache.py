@@ -1,9 +1,10 @@
 """KV cache in slots: one slot per running sequence, [slots, kv_heads, capacity, head_dim] per layer.
 
-Running sequences occupy slots 0..B-1 so attention reads a view, not a gather; a finished sequence's slot is
-filled by moving the last one in. Capacity grows by doubling as the longest sequence grows. The memory
-budget is enforced at admission on the worst case (every running sequence at its maximum length), so
-growth never exceeds it and the engine never runs out of memory mid-rollout."""
+The storage is allocated once for its layout (slots x capacity within the memory budget) and never moves while
+sequences run, so a captured graph could keep its addresses. Running sequences occupy slots 0..B-1 so attention
+reads a view, not a gather; a finished sequence's slot is filled by moving the last one in. Memory is touched
+lazily: positions past the highest one ever read are zeroed only when reads reach them (uninitialised memory
+could hold NaN, and a masked key still multiplies its value by 0)."""
 
 from __future__ import annotations
 
@@ -21,50 +22,63 @@ class KVCache:
         self.v: list[torch.Tensor] = []
         self.slots = 0
         self.capacity = 0
-        self.mirrors: list[KVCache] = []  # caches in the same slots (a draft head's): copies apply to them too
+        self.zeroed = 0  # positions 0..zeroed-1 of every slot hold written or zeroed values
+        self.mirrors: list[tuple[KVCache, int]] = []  # caches in the same slots (a draft head's), with extra capacity
 
-    def fits(self, num_slots: int, max_len: int) -> bool:
-        return num_slots * max_len <= self.budget_tokens
+    def mirror(self, cfg: ModelConfig, extra: int, dtype=None) -> KVCache:
+        """A cache for another model (a draft head) in the same slots, `extra` positions longer; slot copies and
+        re-layouts of this cache apply to it too."""
+        m = KVCache(cfg, 0, self.device, dtype or self.dtype)
+        m.budget_tokens = (self.budget_tokens // max(self.capacity, 1) + 1) * (self.capacity + extra)
+        if self.slots:
+            m.layout(self.slots, self.capacity + extra)
+        self.mirrors.append((m, extra))
+        return m
+
+    def slots_for(self, capacity: int, max_slots: int) -> int:
+        return min(max_slots, self.budget_tokens // max(capacity, 1))
+
+    def layout(self, slots: int, capacity: int) -> None:
+        """(Re)allocates the storage: only while no sequence is running (the contents are dropped)."""
+        if (slots, capacity) != (self.slots, self.capacity):
+            self.k.clear(), self.v.clear()  # free the old storage before allocating the new
+            shape = (slots, self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+            for store in (self.k, self.v):
+                for _ in range(self.cfg.num_hidden_layers):
+                    store.append(torch.empty(shape, device=self.device, dtype=self.dtype))
+            self.slots, self.capacity, self.zeroed = slots, capacity, 0
+        for m, extra in self.mirrors:
+            m.layout(slots, capacity + extra)
+
+    def touch(self, length: int) -> None:
+        """Makes positions < length safe to read (zeroes what was never written)."""
+        if length > self.zeroed:
+            end = min(self.capacity, max(length, 2 * self.zeroed, 64))  # in growing chunks: few calls per rollout
+            for store in (self.k, self.v):
+                for t in store:
+                    t[:, :, self.zeroed : end].zero_()
+            self.zeroed = end
 
     def ensure(self, num_slots: int, length: int) -> None:
-        """Room for slots 0..num_slots-1 of at least length tokens. Grows by doubling within the budget; when the
-        capacity grows, surplus slots beyond num_slots are dropped to stay within it (running slots are packed)."""
-        if num_slots <= self.slots and length <= self.capacity:
-            return
-        cap = self.capacity if length <= self.capacity else max(length, min(2 * self.capacity, self.budget_tokens // max(num_slots, 1)))
-        slots = self.slots if num_slots <= self.slots else max(num_slots, min(2 * self.slots, self.budget_tokens // cap))
-        if slots * cap > self.budget_tokens:
-            slots = max(num_slots, self.budget_tokens // cap)
-        keep_slots, keep_cap = min(self.slots, slots), min(self.capacity, cap)
-        shape = (slots, self.cfg.num_key_value_heads, cap, self.cfg.head_dim)
-        for store in (self.k, self.v):
-            for layer in range(self.cfg.num_hidden_layers):
-                new = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                if layer < len(store):
-                    new[:keep_slots, :, :keep_cap] = store[layer][:keep_slots, :, :keep_cap]
-                    store[layer] = new
-                else:
-                    store.append(new)
-        self.slots, self.capacity = slots, cap
+        if num_slots > self.slots or length > self.capacity:
+            raise RuntimeError(f"KV cache layout {self.slots} slots x {self.capacity} positions cannot hold "
+                               f"{num_slots} slots x {length}")
+        self.touch(length)
 
-    def copy(self, src: int, dst: int, length: int, dst_offset: int = 0, src_offset: int = 0) -> None:
-        """Copies tokens src_offset.. of slot src to dst_offset.. of slot dst (fork of a prefill, slot compaction)."""
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copies the first `length` tokens of slot src to slot dst (fork of a prefill, slot compaction)."""
         for store in (self.k, self.v):
             for t in store:
-                t[dst, :, dst_offset : dst_offset + length] = t[src, :, src_offset : src_offset + length]
-        for m in self.mirrors:
-            if src < m.slots and m.capacity:
-                m.ensure(max(dst + 1, m.slots), 1)
-                n = max(min(length, m.capacity - dst_offset, m.capacity - src_offset), 0)
-                m.copy(src, dst, n, dst_offset, src_offset)
+                t[dst, :, :length] = t[src, :, :length]
+        for m, _ in self.mirrors:
+            m.copy(src, dst, min(length, m.zeroed))
 
-    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
-        """Moves tokens within a slot (the accepted path of a draft tree to its final positions)."""
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves tokens within slots: token src[i] of slot slots[i] to position dst[i] (the accepted paths of
+        draft trees, all sequences in one indexing op per layer)."""
         for store in (self.k, self.v):
             for t in store:
-                t[slot, :, dst_t] = t[slot, :, src_t]
+                t[slots, :, dst] = t[slots, :, src]
 
     def allocated_bytes(self) -> int:
         return self.slots * self.capacity * self.bytes_per_token

@@ -1,6 +1,7 @@
 """Logit warping (temperature, top-k, top-p) and sampling keyed by (request seed, token position).
 
-The noise that draws the token at output position i of a request depends only on the request's seed and i.
+The uniform that draws the token at output position i of a request depends only on the request's seed and i
+(spec/noise.py: a counter-based hash, computed on the logits' device).
 Plain decoding and speculative verification with deterministic drafts therefore emit the very same tokens,
 not merely tokens of the same distribution, and a batch gives each request what it would get alone.
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.noise import gumbel, position_generator
+from ..spec.noise import signed64, inverse_cdf, uniforms
+from ..spec.verify import Verdict, verify_tree, walk
 from .sampling import SamplingParams
 
 
@@ -43,13 +45,53 @@ def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
 
 def sample(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions: list[int]) -> tuple[list[int], list[float]]:
     """One token per row from warped logprobs [N, V]: row r is output position positions[r] of a request
-    seeded seeds[r] (Gumbel-max with that position's noise), or the argmax for greedy rows."""
-    if all(greedy):
-        tokens = logprobs.argmax(-1)
-    else:
-        noise = torch.stack([gumbel(position_generator(s, p), logprobs.shape[-1]) for s, p in zip(seeds, positions)])
-        tokens = (logprobs.double() + noise.to(logprobs.device)).argmax(-1)
-        if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logprobs.device), logprobs.argmax(-1), tokens)
+    seeded seeds[r] (inverse CDF at that position's uniform), or the argmax for greedy rows."""
+    tokens = sample_tensor(logprobs, greedy, seeds, positions)
     lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens.tolist(), lp.tolist()
+
+
+def sample_tensor(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions) -> torch.Tensor:
+    """`sample`'s tokens as a tensor on the logits' device (positions may be a tensor)."""
+    if all(greedy):
+        return logprobs.argmax(-1)
+    tokens = inverse_cdf(logprobs, uniforms(seeds, positions, device=logprobs.device))
+    if any(greedy):
+        tokens = torch.where(torch.tensor(greedy, device=logprobs.device), logprobs.argmax(-1), tokens)
+    return tokens
+
+
+def sample_first(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float]]:
+    """The first token of each sequence (output position 0) from its row of prefill logits."""
+    logp = warped_logprobs(logits, *warp_tensors([s.params for s in seqs], logits.device))
+    return sample(logp, [s.params.greedy for s in seqs], [s.seed for s in seqs], [0] * len(seqs))
+
+
+def decide(logits: torch.Tensor, seqs: list, trees: list | None, q_lens: list[int],
+           depths: torch.Tensor | None) -> list[Verdict]:
+    """What each sequence of a decode pass emits. Plain rows and the rows of deterministic trees are drawn in
+    one batched call, row r at output position len(output) + depth(r) with its own keyed noise; a deterministic
+    tree is then walked on those draws, and a tree with draft probabilities goes through rejection sampling."""
+    dev = logits.device
+    ql = torch.tensor(q_lens, device=dev)
+    params = [s.params for s, q in zip(seqs, q_lens) for _ in range(q)]
+    logp = warped_logprobs(logits, *warp_tensors(params, dev))
+    base = torch.repeat_interleave(torch.tensor([len(s.output_ids) for s in seqs], device=dev), ql)
+    positions = base if depths is None else base + depths
+    seeds = torch.repeat_interleave(torch.tensor([signed64(s.seed) for s in seqs], device=dev), ql)
+    tokens = sample_tensor(logp, [p.greedy for p in params], seeds, positions)
+    lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+    tokens = tokens.tolist()
+    out, off = [], 0
+    for b, s in enumerate(seqs):
+        q, tree = q_lens[b], trees[b] if trees else None
+        if tree is None:
+            out.append(Verdict([], [tokens[off]], [lps[off]]))
+        elif s.params.greedy or not tree.q:
+            accepted = walk(tree, tokens[off : off + q])
+            rows = [off] + [off + 1 + a for a in accepted]
+            out.append(Verdict(accepted, [tokens[r] for r in rows], [lps[r] for r in rows]))
+        else:
+            out.append(verify_tree(tree, logp[off : off + q], False, s.seed, len(s.output_ids)))
+        off += q
+    return out

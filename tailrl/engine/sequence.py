@@ -12,6 +12,7 @@ from .sampling import SamplingParams
 
 @dataclass
 class Completion:
+    seq_id: int  # the engine's id of the sequence (add_requests / import_ returned it)
     prompt_index: int
     sample_index: int
     prompt_token_ids: list[int]
@@ -32,6 +33,7 @@ class Completion:
 
 @dataclass
 class Sequence:
+    seq_id: int
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
@@ -49,8 +51,9 @@ class Sequence:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_finish: float = 0.0
-    spec: dict = field(default_factory=dict)  # drafter state
+    spec: dict = field(default_factory=dict)  # drafter name -> that drafter's state for this sequence
     spec_depth: int = 0  # adaptive per-request draft depth
+    shadow: dict = field(default_factory=dict)  # drafter name -> (output position, pending shadow draft path)
     decode_steps: int = 0
     decode_tokens: int = 0
     drafted: int = 0
@@ -87,6 +90,7 @@ class Sequence:
     def to_completion(self) -> Completion:
         t0 = self.t_submit
         return Completion(
+            seq_id=self.seq_id,
             prompt_index=self.prompt_index,
             sample_index=self.sample_index,
             prompt_token_ids=self.prompt_ids,

@@ -18,6 +18,7 @@ import torch
 
 from ..config import Config, to_dict
 from ..drafter.eagle import EagleDrafter, load_drafter
+from ..drafter.compose import make_speculator
 from ..drafter.propose import LearnedDrafter
 from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ..engine import Engine, EngineConfig, SamplingParams
@@ -61,8 +62,9 @@ class Trainer:
             tail = max(cfg.drafter.spot_batch, int(cfg.drafter.spot_frac * r.n * cfg.trainer.prompts_per_step))
             self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter, tail)
         self.engine = Engine(self.policy, self.tokenizer, EngineConfig(
-            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec),
-            learned=LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None)
+            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec,
+            max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, self.policy.config.max_position_embeddings)),
+            make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.last_step_s = 0.0
         self.train_set, self.eval_set = load_datasets(cfg.data)
         self.train_set = self._fit_prompts(self.train_set, "train")
@@ -118,6 +120,12 @@ class Trainer:
             raise ValueError(f"no {split} prompt fits data.max_prompt_tokens={self.cfg.data.max_prompt_tokens}")
         return keep
 
+    @property
+    def history(self):
+        """The engine's history drafter (its index is part of checkpoints), or None."""
+        spec = self.engine.speculator
+        return spec.drafters.get("history") if spec is not None else None
+
     def close(self) -> None:
         self.rewards.close()
         if self.spot is not None:
@@ -133,12 +141,16 @@ class Trainer:
             return self.engine.generate([ex.ids for ex in examples], params)
         self.drafter_trainer.model.sync_head()
         self.lender.begin_step(step, self.last_step_s)
-        self.engine.on_step = lambda running, done: self.lender.on_engine_step(len(running), [s.to_completion() for s in done])
+        col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
         try:
-            return self.engine.generate([ex.ids for ex in examples], params)
+            while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
+                out = self.engine.step()
+                col.add(out)
+                self.lender.on_engine_step(self.engine.num_running, out.finished)
         finally:
-            self.engine.on_step = None
             self.lender.stop()
+        self.engine.end_rollout()
+        return col.result()
 
     def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict]:
         prompts = [examples[c.prompt_index].prompt for c in comps]
@@ -257,7 +269,7 @@ class Trainer:
         t = self.cfg.trainer
         state = {"step": self.step, "optimizer": self.optimizer.state_dict() if t.save_optimizer_final or not final else None,
                  "loader": self.loader.state_dict(), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
-                 "history": self.engine.drafters["history"].state_dict() if "history" in self.engine.drafters else None,
+                 "history": self.history.state_dict() if self.history is not None else None,
                  "drafter": self.drafter_trainer.state_dict() if self.drafter_trainer is not None else None}
         return save_checkpoint(self.out / "checkpoints", self.step, self.policy, self.tokenizer, state, self._config(),
                                self.head, t.keep_checkpoints)
@@ -288,8 +300,8 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
-        if state.get("history") is not None and "history" in self.engine.drafters:
-            self.engine.drafters["history"].load_state_dict(state["history"])
+        if state.get("history") is not None and self.history is not None:
+            self.history.load_state_dict(state["history"])
         if self.head is not None and got.drafter is not None:
             self.head.set_vocab(got.drafter.vocab)
             self.head.fc.load_state_dict(got.drafter.fc.state_dict())

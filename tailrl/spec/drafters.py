@@ -1,12 +1,14 @@
-"""Model-free drafters: history (earlier epochs' and sibling responses to the same prompt) and prompt lookup.
+"""The Drafter protocol, and the model-free drafters: history (earlier epochs' and sibling responses to the same
+prompt) and prompt lookup.
 
-A drafter keeps its per-sequence state in `seq.spec`; the engine calls `start` when a sequence is admitted,
-`propose` before a verification step, `accept` with the tokens each step emitted, and `end_step` when a
-generate call (an RL step) ends."""
+A drafter keeps its per-sequence state in `seq.spec[drafter.name]`; the speculator calls `start` when a
+sequence is admitted, `propose` for a batch before a verification step, `accept` with the tokens each step
+emitted, and `end_rollout` when a rollout (an RL step) ends."""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from .config import SpecConfig
 from .suffix import TokenIndex, TreeShape, build_tree
@@ -15,11 +17,50 @@ from .tree import DraftTree
 PROMPT_TAIL = 4  # responses are stored after the prompt's last tokens so that their first tokens can match
 
 
+class Drafter(Protocol):
+    name: str
+    costly: bool  # proposals cost model forwards: shadow drafts run rarely, at the initial depth
+    needs_hidden: bool  # reads the target's captured hidden states (seq.hidden)
+
+    def attach(self, kv) -> None:
+        """The target's KV cache, for drafters that keep a cache in the same slots (kv.mirror)."""
+
+    def start(self, seq) -> None: ...
+
+    def propose(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
+        """One tree (or None) per sequence, at most budgets[i] nodes and depths[i] deep."""
+
+    def accept(self, seq, tokens: list[int]) -> None: ...
+
+    def end_rollout(self) -> None: ...
+
+
+class ModelFreeDrafter:
+    """Cheap drafters that propose one sequence at a time."""
+
+    name = ""
+    costly = False
+    needs_hidden = False
+
+    def attach(self, kv) -> None:
+        pass
+
+    def propose(self, seqs, budgets, depths):
+        return [self.propose_one(s, b, d) if b > 0 and d > 0 else None for s, b, d in zip(seqs, budgets, depths)]
+
+    def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
+        raise NotImplementedError
+
+    def end_rollout(self) -> None:
+        pass
+
+
 class PromptHistory:
     def __init__(self, prompt: list[int], max_n: int):
         self.prompt = list(prompt)
         self.epochs: deque[list[list[int]]] = deque()
         self.live: list[int] = []  # streams of this step's samples, growing as they decode
+        self.remote: dict[tuple[int, int], int] = {}  # siblings decoding on other workers -> their live stream
         self.max_n = max_n
         self.rebuild()
 
@@ -31,6 +72,7 @@ class PromptHistory:
             for resp in epoch:
                 self.index.add_stream(tail + resp)
         self.live = []
+        self.remote = {}
 
     def start_live(self) -> int:
         sid = self.index.add_stream(self.prompt[-PROMPT_TAIL:])
@@ -43,13 +85,14 @@ class PromptHistory:
         cut = len(self.prompt[-PROMPT_TAIL:])
         self.epochs.append([self.index.streams[sid][cut:] for sid in self.live])
         self.live = []
+        self.remote = {}
         if len(self.epochs) > keep:
             while len(self.epochs) > keep:
                 self.epochs.popleft()
             self.rebuild()
 
 
-class HistoryDrafter:
+class HistoryDrafter(ModelFreeDrafter):
     name = "history"
 
     def __init__(self, cfg: SpecConfig):
@@ -74,7 +117,7 @@ class HistoryDrafter:
         ph.index.extend(sid, seq.output_ids)
         seq.spec["history"] = (ph, sid)
 
-    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
+    def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
         ph, _ = seq.spec["history"]
         ctx = (seq.prompt_ids[-self.cfg.max_match :] + seq.output_ids)[-self.cfg.max_match - 1 :]
         m, occ = ph.index.match(ctx, self.cfg.max_match)
@@ -87,7 +130,22 @@ class HistoryDrafter:
         ph, sid = seq.spec["history"]
         ph.index.extend(sid, tokens)
 
-    def end_step(self) -> None:
+    def observe_remote(self, prompt_ids: list[int], key: tuple[int, int], tokens: list[int]) -> None:
+        """New tokens of a sibling sample decoding elsewhere (another worker; key = (prompt index, sample
+        index)): they join this prompt's live sibling index as if the sample ran here (Seer's group drafting)."""
+        ph = self._entry(prompt_ids)
+        self.touched.add(tuple(prompt_ids))
+        sid = ph.remote.get(key)
+        if sid is None:
+            sid = ph.remote[key] = ph.index.add_stream(ph.prompt[-PROMPT_TAIL:])
+        ph.index.extend(sid, tokens)
+
+    def lengths(self, prompt_ids: list[int]) -> list[int]:
+        """Lengths of this prompt's responses in the epochs kept ([] for a prompt never seen)."""
+        ph = self.prompts.get(tuple(prompt_ids))
+        return [len(r) for e in ph.epochs for r in e] if ph is not None else []
+
+    def end_rollout(self) -> None:
         for key in self.touched:
             ph = self.prompts.get(key)
             if ph is not None:
@@ -106,7 +164,7 @@ class HistoryDrafter:
             self.prompts[tuple(item["prompt"])] = ph
 
 
-class NgramDrafter:
+class NgramDrafter(ModelFreeDrafter):
     """Prompt lookup: the continuation of the longest n-gram match in the sequence's own prompt and output."""
 
     name = "ngram"
@@ -119,7 +177,7 @@ class NgramDrafter:
         index.add_stream(seq.prompt_ids + seq.output_ids)
         seq.spec["ngram"] = index
 
-    def propose(self, seq, budget: int, depth: int) -> DraftTree | None:
+    def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
         index: TokenIndex = seq.spec["ngram"]
         m, occ = index.match(index.streams[0][-self.cfg.max_match - 1 :], self.cfg.max_match)
         if m < 1:
@@ -130,9 +188,6 @@ class NgramDrafter:
     def accept(self, seq, tokens: list[int]) -> None:
         seq.spec["ngram"].extend(0, tokens)
 
-    def end_step(self) -> None:
-        pass
 
-
-def make_drafters(cfg: SpecConfig) -> dict:
-    return {name: {"history": HistoryDrafter, "ngram": NgramDrafter}[name](cfg) for name in cfg.drafters}
+def model_free_drafters(cfg: SpecConfig) -> list[ModelFreeDrafter]:
+    return [{"history": HistoryDrafter, "ngram": NgramDrafter}[name](cfg) for name in cfg.drafters]

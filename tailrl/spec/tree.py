@@ -43,6 +43,13 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 
+    def kids_of(self) -> dict[int, list[int]]:
+        """node -> its children in order (node -1: the root)."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i)
+        return out
+
     def depths(self) -> list[int]:
         d: list[int] = []
         for p in self.parents:

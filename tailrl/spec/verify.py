@@ -12,9 +12,9 @@ q (renormalised); if every child is rejected, the token is drawn from the final 
 Greedy takes the argmax at every node, which makes any draft exact. Emitted logprobs are those of the
 target's (warped) distribution at each position: what plain decoding would have reported.
 
-All randomness for the token at output position i comes from that position's own stream (request seed, i),
-drawn in a fixed order (the Gumbel noise first, then one uniform per tried child), so deterministic drafts
-emit exactly what plain decoding with the same seed emits."""
+All randomness for the token at output position i comes from that position's keyed uniforms (spec/noise.py):
+index 0 draws a token (plain, or from the residual), index 1 + k tests the k-th tried child. Deterministic
+drafts therefore emit exactly what plain decoding with the same seed emits."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .noise import draw, gumbel, position_generator
+from .noise import draw, uniform
 from .tree import DraftTree
 
 
@@ -34,15 +34,13 @@ class Verdict:
 
 
 def _rejection_step(logp: torch.Tensor, q: torch.Tensor, kids: list[int], tokens: list[int],
-                    generator: torch.Generator) -> tuple[int | None, int]:
+                    seed: int, position: int) -> tuple[int | None, int]:
     """Returns (accepted child or None, emitted token)."""
-    noise = gumbel(generator, logp.shape[-1]).to(logp.device)  # drawn first: the residual draw's noise
     p = logp.double().exp()
     qc = q.double().to(p.device).clone()
-    for c in kids:
+    for k, c in enumerate(kids):
         x = tokens[c]
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        if u * float(qc[x]) < float(p[x]):
+        if uniform(seed, position, 1 + k) * float(qc[x]) < float(p[x]):
             return c, x
         p = (p - qc).clamp_min(0)
         s = p.sum()
@@ -50,27 +48,47 @@ def _rejection_step(logp: torch.Tensor, q: torch.Tensor, kids: list[int], tokens
         qc[x] = 0
         qs = qc.sum()
         qc = qc / qs if qs > 0 else qc
-    return None, int((torch.log(p) + noise).argmax())
+    return None, draw(torch.log(p), seed, position)
 
 
-def verify_tree(tree: DraftTree, logp: torch.Tensor, greedy: bool, seed: int, position: int) -> Verdict:
+def walk(tree: DraftTree, row_tokens: list[int]) -> list[int]:
+    """Deterministic drafts: row_tokens[r] is the target's draw at row r ([root] + nodes), each drawn with its
+    own position's noise. Returns the accepted nodes (the path whose tokens match the draws)."""
+    kids_of = tree.kids_of()
+    node, accepted = -1, []
+    while True:
+        x = row_tokens[node + 1]
+        child = next((c for c in kids_of.get(node, ()) if tree.tokens[c] == x), None)
+        if child is None:
+            return accepted
+        accepted.append(child)
+        node = child
+
+
+def verify_tree(tree: DraftTree, logp: torch.Tensor, greedy: bool, seed: int, position: int,
+                row_tokens: list[int] | None = None) -> Verdict:
     """logp: [1 + N, V] warped target log-probabilities for [root] + tree nodes; the root's child is drawn
-    for output position `position` of a request seeded `seed`."""
-    kids_of: dict[int, list[int]] = {}
-    for i, p in enumerate(tree.parents):
-        kids_of.setdefault(p, []).append(i)
+    for output position `position` of a request seeded `seed`. row_tokens, when given, are the draws of every
+    row already made in one batched call (deterministic trees only)."""
+    if greedy or not tree.q:
+        if row_tokens is None:
+            depths = [0] + tree.depths()
+            row_tokens = ([int(t) for t in logp.argmax(-1)] if greedy else
+                          [draw(logp[r], seed, position + d) for r, d in enumerate(depths)])
+        accepted = walk(tree, row_tokens)
+        rows = [0] + [a + 1 for a in accepted]
+        out = [tree.tokens[a] for a in accepted] + [row_tokens[rows[-1]]]
+        return Verdict(accepted, out, [float(logp[r, x]) for r, x in zip(rows, out)])
+    kids_of = tree.kids_of()
     node, accepted, out, lps = -1, [], [], []
     while True:
         row = logp[node + 1]
         kids = kids_of.get(node, [])
         q = tree.q.get(node)
-        if greedy:
-            x = int(row.argmax())
-            child = next((c for c in kids if tree.tokens[c] == x), None)
-        elif q is not None and kids:
-            child, x = _rejection_step(row, q, kids, tree.tokens, position_generator(seed, position + len(out)))
+        if q is not None and kids:
+            child, x = _rejection_step(row, q, kids, tree.tokens, seed, position + len(out))
         else:
-            x = draw(row, position_generator(seed, position + len(out)))
+            x = draw(row, seed, position + len(out))
             child = next((c for c in kids if tree.tokens[c] == x), None)
         out.append(x)
         lps.append(float(row[x]))

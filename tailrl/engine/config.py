@@ -1,0 +1,32 @@
+"""Engine settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec.config import SpecConfig
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 256
+    kv_cache_gb: float | None = None  # None: 25% of RAM (CPU, at most 8 GiB) or 60% of free GPU memory
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_prefill_tokens: int = 4096
+    seed: int = 0
+    tail_batch: int = 4  # the long tail (for stats): at most max(tail_batch, tail_frac x requests) sequences running
+    tail_frac: float = 0.3
+    capture_hidden: bool = False  # keep the target's last hidden states per token (drafter training data)
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
+
+    def __post_init__(self):
+        if isinstance(self.spec, dict):
+            self.spec = SpecConfig(**self.spec)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")

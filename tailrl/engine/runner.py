@@ -1,0 +1,141 @@
+"""The model runner: builds the inputs of prefill, decode and tree-verify passes, owns the KV cache and runs
+the forward. It keeps only the accepted path of each verified tree in the cache.
+
+It is the one place that knows about devices and buffers: the scheduler hands it slots and token lists, the
+engine hands it draft trees, and what comes back is logits (and the last layer's hidden states when they are
+captured for the learned drafter). Inputs are built with tensor operations (model/step.py); the per-sequence
+Python work is list concatenation only."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ..model.llama import CausalLM
+from ..model.step import make_step
+from ..spec.tree import DraftTree
+from .kv_cache import KVCache
+
+ALIGN = 16  # cache capacity is rounded up to this many positions
+
+
+def default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.6 * free)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(0.25 * ram, 8 * 2**30))
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, budget_bytes: int | None, max_num_seqs: int, max_model_len: int,
+                 capture_hidden: bool = False):
+        self.model = model
+        self.device = model.device
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        budget = budget_bytes if budget_bytes is not None else default_kv_budget(self.device)
+        self.kv = KVCache(model.config, budget, self.device, model.dtype)
+        self.capture = capture_hidden
+        self.hidden_layers = (model.config.num_hidden_layers,) if capture_hidden else ()
+        self.last_forward_s = 0.0
+
+    # ---- the cache layout ---------------------------------------------------------------------------------
+
+    def fits(self, reserved_len: int) -> bool:
+        """Whether one sequence of this many tokens can ever run (the budget holds one slot of its length)."""
+        return self.kv.slots_for(reserved_len, self.max_num_seqs) >= 1
+
+    def slots_for(self, reserved_len: int) -> int:
+        """Slots a layout for sequences of up to this many tokens would have."""
+        return self.kv.slots_for(self._capacity(reserved_len), self.max_num_seqs)
+
+    def _capacity(self, reserved_len: int) -> int:
+        return min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
+
+    def reserve(self, reserved_len: int) -> None:
+        """Lays the cache out for sequences of up to reserved_len tokens; only while no sequence runs. A layout
+        that already holds them is kept, so a rollout of uniform requests allocates once."""
+        if reserved_len <= self.kv.capacity:
+            return
+        cap = self._capacity(reserved_len)
+        self.kv.layout(self.kv.slots_for(cap, self.max_num_seqs), cap)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.slots
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.kv.copy(src, dst, length)
+
+    # ---- forwards -----------------------------------------------------------------------------------------
+
+    def _forward(self, ids: list[int], step, logits_idx=None):
+        t = time.perf_counter()
+        logits, hidden = self.model(torch.tensor(ids, device=self.device), step, self.kv, logits_idx=logits_idx,
+                                    hidden_layers=self.hidden_layers)
+        self.last_forward_s = time.perf_counter() - t
+        return logits, (hidden[self.hidden_layers[0]] if self.capture else None)
+
+    def prefill(self, token_lists: list[list[int]], slots: list[int]):
+        """Writes each list's K/V into its slot from position 0. Returns (logits at each list's last token [N, V],
+        hidden [sum(lens), H] or None)."""
+        lens = [len(t) for t in token_lists]
+        self.kv.ensure(max(slots) + 1, max(lens) + 1)
+        step = make_step([0] * len(lens), lens, slots, self.device)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        return self._forward([t for toks in token_lists for t in toks], step, logits_idx=last)
+
+    def decode(self, roots: list[int], cache_lens: list[int], trees: list[DraftTree | None] | None):
+        """One pass over running slots 0..B-1: each sequence's last emitted token (the root) and its draft tree's
+        nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None)."""
+        B = len(roots)
+        if not trees or not any(trees):
+            q_lens = [1] * B
+            self.kv.ensure(B, max(cache_lens) + 1)
+            logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device))
+            return logits, hidden, q_lens, None
+        q_lens = [1 + len(t) if t else 1 for t in trees]
+        max_q = max(q_lens)
+        ids, parents = [], []
+        for r, t in zip(roots, trees):
+            ids.append(r)
+            row = [0]
+            if t:
+                ids.extend(t.tokens)
+                row.extend(p + 1 for p in t.parents)
+            parents.append(row + list(range(len(row), max_q)))  # root and padded rows point to themselves
+        self.kv.ensure(B, max(c + q for c, q in zip(cache_lens, q_lens)))
+        step = make_step(cache_lens, q_lens, list(range(B)), self.device,
+                         tree_parents=torch.tensor(parents, device=self.device))
+        logits, hidden = self._forward(ids, step)
+        return logits, hidden, q_lens, step.depths
+
+    def keep_accepted(self, cache_lens: list[int], accepted: list[list[int]]) -> None:
+        """Moves each sequence's accepted tree nodes (node i sits at cache_len + 1 + i) to the positions right
+        after its cache, in order, for every running slot at once."""
+        slots, src, dst = [], [], []
+        for b, (c, nodes) in enumerate(zip(cache_lens, accepted)):
+            for k, n in enumerate(nodes):
+                if n != k:
+                    slots.append(b)
+                    src.append(c + 1 + n)
+                    dst.append(c + 1 + k)
+        if slots:
+            dev = self.device
+            self.kv.move(torch.tensor(slots, device=dev), torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+    def path_rows(self, rows: torch.Tensor, q_lens: list[int], accepted: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, the rows of a decode pass's output (hidden states) on its verified path: the root, then
+        the accepted nodes."""
+        idx, counts, off = [], [], 0
+        for q, nodes in zip(q_lens, accepted):
+            idx += [off] + [off + 1 + a for a in nodes]
+            counts.append(1 + len(nodes))
+            off += q
+        return list(rows[torch.tensor(idx, device=rows.device)].split(counts))

@@ -1,0 +1,196 @@
+"""What the engine did: one `StepRecord` per engine step, summed into `GenerateStats`.
+
+The engine only returns records; counting happens here, outside the decode loop. `GenerateStats.add` folds in
+one record and `merge` folds in another stats object, so workers' statistics combine: merging the stats of two
+halves of a run's records gives the stats of the whole (times add up; for workers that ran in parallel the
+caller sets `total_s` to the wall time)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field, fields
+
+from ..spec.selector import batch_bucket
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill" | "decode" | "idle"
+    batch: int = 0  # sequences in the pass
+    tokens_in_pass: int = 0  # new tokens the forward ran (prompts, or roots + draft nodes)
+    arm: str = "off"  # the selector's choice for a decode step ("drafter:budget" or "off")
+    drafter: str = ""  # the arm's drafter ("" = none)
+    proposals: int = 0  # sequences that got a draft tree
+    drafted: int = 0  # draft nodes verified
+    emitted: int = 0  # tokens appended to sequences
+    accepted: int = 0  # emitted draft tokens (decode: emitted - sequences that emitted)
+    draft_s: float = 0.0
+    forward_s: float = 0.0
+    verify_s: float = 0.0  # sampling, acceptance, KV compaction, bookkeeping
+    total_s: float = 0.0
+    plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
+    kv_bytes: int = 0
+
+
+@dataclass
+class GenerateStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    generated_tokens: int = 0
+    peak_kv_bytes: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # decode batch size -> steps
+    draft_s: float = 0.0  # proposing drafts
+    forward_s: float = 0.0  # decode / verification forwards
+    verify_s: float = 0.0  # acceptance, KV compaction, bookkeeping
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> seq_steps, proposals, drafted, accepted
+    choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
+    by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
+    plain_est_s: float = 0.0
+    tail_batch: int = 4  # decode tokens and seconds while at most this many sequences run (the long tail)
+    tail_tokens: int = 0
+    tail_s: float = 0.0
+
+    def add(self, r: StepRecord) -> None:
+        self.steps += 1
+        self.generated_tokens += r.emitted
+        self.peak_kv_bytes = max(self.peak_kv_bytes, r.kv_bytes)
+        if r.kind == "prefill":
+            self.prefill_steps += 1
+            self.prefill_s += r.total_s
+            return
+        if r.kind != "decode":
+            return
+        B, s = r.batch, r.total_s
+        self.decode_steps += 1
+        self.decode_s += s
+        self.draft_s += r.draft_s
+        self.forward_s += r.forward_s
+        self.verify_s += r.verify_s
+        self.plain_est_s += r.plain_est_s
+        self.batch_sizes[B] = self.batch_sizes.get(B, 0) + 1
+        cell = self.by_bucket.setdefault(batch_bucket(B), [0, 0.0])
+        cell[0] += r.emitted
+        cell[1] += s
+        if B <= self.tail_batch:
+            self.tail_tokens += r.emitted
+            self.tail_s += s
+        counts = self.choices.setdefault(batch_bucket(B), {})
+        counts[r.arm] = counts.get(r.arm, 0) + 1
+        if r.drafter:
+            d = self.drafters.setdefault(r.drafter, {"seq_steps": 0, "proposals": 0, "drafted": 0, "accepted": 0})
+            d["seq_steps"] += B
+            d["proposals"] += r.proposals
+            d["drafted"] += r.drafted
+            d["accepted"] += r.accepted
+
+    def merge(self, other: GenerateStats) -> GenerateStats:
+        """Adds other's counts into self (in place) and returns self."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("peak_kv_bytes", "tail_batch"):
+                setattr(self, f.name, max(a, b))
+            elif isinstance(a, dict):
+                _merge_dict(a, b)
+            else:
+                setattr(self, f.name, a + b)
+        return self
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def tail_tokens_per_s(self) -> float:
+        return self.tail_tokens / self.tail_s if self.tail_s else 0.0
+
+    @property
+    def speedup_est(self) -> float:
+        return self.plain_est_s / self.decode_s if self.plain_est_s and self.decode_s else 1.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per sequence per decode step, over all steps (1 = plain decoding)."""
+        seq_steps = sum(b * n for b, n in self.batch_sizes.items())
+        decode_tokens = sum(cell[0] for cell in self.by_bucket.values())
+        return decode_tokens / seq_steps if seq_steps else 0.0
+
+    def accept_length(self, drafter: str) -> float:
+        """Mean tokens emitted per sequence per step when the drafter was chosen (1 = no gain)."""
+        d = self.drafters.get(drafter)
+        return (d["seq_steps"] + d["accepted"]) / d["seq_steps"] if d and d["seq_steps"] else 0.0
+
+    def summary(self) -> dict:
+        out = {"tokens": self.generated_tokens, "seconds": round(self.total_s, 3), "tokens_per_s": round(self.tokens_per_s, 2),
+               "tail_tokens_per_s": round(self.tail_tokens_per_s, 2), "draft_s": round(self.draft_s, 3),
+               "forward_s": round(self.forward_s, 3), "verify_s": round(self.verify_s, 3),
+               "accept_length": round(self.mean_accept_length, 3), "speedup_est": round(self.speedup_est, 3),
+               "choices": self.choices}
+        for name, d in self.drafters.items():
+            out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
+            out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
+        return out
+
+
+def _merge_dict(a: dict, b: dict) -> None:
+    for k, v in b.items():
+        if isinstance(v, dict):
+            _merge_dict(a.setdefault(k, {}), v)
+        elif isinstance(v, list):
+            cell = a.setdefault(k, [0] * len(v))
+            for i, x in enumerate(v):
+                cell[i] += x
+        else:
+            a[k] = a.get(k, 0) + v
+
+
+class Completions(list):
+    """The completions of one generate call, with that call's engine statistics in `.stats`."""
+
+    stats: GenerateStats
+
+
+class Collector:
+    """Gathers the completions and statistics of a set of requests from the steps that run them (the loop a
+    caller driving `Engine.step()` writes is: while has_work: collector.add(engine.step()))."""
+
+    def __init__(self, ids: list[int], tail_batch: int):
+        self.ids = ids
+        self.stats = GenerateStats(tail_batch=tail_batch)
+        self.done: dict = {}
+        self.t0 = time.perf_counter()
+
+    def add(self, out) -> None:
+        self.stats.add(out.record)
+        self.done.update((c.seq_id, c) for c in out.finished)
+
+    def result(self) -> Completions:
+        """One completion per id, in the order of ids; `.stats` with the wall time since the collector began."""
+        self.stats.total_s = time.perf_counter() - self.t0
+        result = Completions(self.done[i] for i in self.ids)
+        result.stats = self.stats
+        return result
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, show: bool):
+    """A tqdm bar over finished sequences, or nothing."""
+    if not show:
+        yield _NoBar()
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="generate", unit="seq", dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        bar.close()

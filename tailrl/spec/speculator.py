@@ -1,0 +1,160 @@
+"""The speculator: which drafter drafts how much for this decode step, and what was learned from the result.
+
+`plan(running) -> (arm, trees)` asks the selector for an arm at this batch size and the arm's drafter for one
+tree per sequence; `observe(record, running, verdicts)` feeds the outcome back: the selector's cost and
+acceptance tables, each sequence's adaptive draft depth (doubles on full acceptance, halves on rejection),
+the drafters' view of the emitted tokens, and shadow drafts that measure the drafters not chosen.
+
+Failure isolation is a rule here: a drafter that raises on a batch is retried one sequence at a time, and a
+sequence whose drafter raises or returns an invalid tree simply decodes without a draft this step."""
+
+from __future__ import annotations
+
+import logging
+
+from .config import SpecConfig
+from .drafters import Drafter, model_free_drafters
+from .selector import OFF, Arm, Selector
+from .tree import DraftTree
+from .verify import Verdict
+
+log = logging.getLogger(__name__)
+SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per unchosen drafter
+
+
+class Speculator:
+    def __init__(self, cfg: SpecConfig, drafters: list[Drafter] | None = None):
+        """drafters: composed by the caller (default: the mode's model-free drafters)."""
+        self.cfg = cfg
+        drafters = model_free_drafters(cfg) if drafters is None else drafters
+        self.drafters: dict[str, Drafter] = {d.name: d for d in drafters}
+        if not self.drafters:
+            raise ValueError(f"spec mode {cfg.mode!r} has no drafter to speculate with")
+        self.selector = Selector(cfg, list(self.drafters))
+        self.needs_hidden = any(d.needs_hidden for d in drafters)
+        self._trees: list[DraftTree | None] = []
+        self._arm = OFF
+        self._cursor = 0
+        self.vocab_size = 0
+
+    def attach(self, kv) -> None:
+        """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots."""
+        self.vocab_size = kv.cfg.vocab_size
+        for d in self.drafters.values():
+            d.attach(kv)
+
+    def start(self, seqs: list) -> None:
+        for s in seqs:
+            s.spec_depth = s.spec_depth or self.cfg.init_depth
+            for d in self.drafters.values():
+                d.start(s)
+
+    def end_rollout(self) -> None:
+        for d in self.drafters.values():
+            d.end_rollout()
+
+    # ---- drafting -------------------------------------------------------------------------------------------
+
+    def plan(self, running: list) -> tuple[Arm, list[DraftTree | None] | None]:
+        arm = self._arm = self.selector.choose(len(running))
+        self._trees = []
+        if arm == OFF:
+            return arm, None
+        rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens (or the KV)
+        budgets = [max(min(arm.budget, r), 0) for r in rooms]
+        depths = [max(min(s.spec_depth, r), 0) for s, r in zip(running, rooms)]
+        trees = self._propose(self.drafters[arm.drafter], running, budgets, depths)
+        V = self.vocab_size
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                try:
+                    if len(tree) > budgets[i]:
+                        raise ValueError(f"{len(tree)} nodes over the budget of {budgets[i]}")
+                    tree.validate(V)
+                except Exception as e:
+                    log.warning("drafter %s gave request %d a bad tree: %s", arm.drafter, running[i].prompt_index, e)
+                    trees[i] = None
+        self._trees = [t if t else None for t in trees]
+        return arm, self._trees
+
+    def _propose(self, drafter: Drafter, seqs: list, budgets: list[int], depths: list[int]) -> list:
+        try:
+            return list(drafter.propose(seqs, budgets, depths))
+        except Exception as e:
+            log.warning("drafter %s failed on a batch of %d: %s", drafter.name, len(seqs), e)
+        out = []
+        for s, b, d in zip(seqs, budgets, depths):  # find the sequence it fails on: that one alone drafts nothing
+            try:
+                out.append(drafter.propose([s], [b], [d])[0] if len(seqs) > 1 else None)
+            except Exception as e:
+                log.warning("drafter %s failed on request %d: %s", drafter.name, s.prompt_index, e)
+                out.append(None)
+        return out
+
+    # ---- feedback -------------------------------------------------------------------------------------------
+
+    def record_forward(self, tokens_in_pass: int, seconds: float) -> None:
+        self.selector.record_forward(tokens_in_pass, seconds)
+
+    def observe(self, record, running: list, verdicts: list[Verdict]) -> None:
+        """record: the decode step's StepRecord (its plain-decoding estimate is filled in here); verdicts: per
+        running sequence, the accepted nodes and the tokens actually emitted."""
+        B = len(running)
+        plain = self.selector.cost.predict(B)
+        record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
+        arm = self._arm
+        self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
+                             record.drafted, record.draft_s)
+        trees = self._trees or [None] * B
+        cfg = self.cfg
+        for s, tree, v in zip(running, trees, verdicts):
+            if tree is not None:
+                full = bool(v.accepted_nodes) and not tree.children(v.accepted_nodes[-1])
+                s.spec_depth = min(2 * s.spec_depth, cfg.max_depth) if full else max(s.spec_depth // 2, cfg.min_depth)
+                used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
+                s.drafted += len(tree)
+                s.accepted += used
+                per = s.per_drafter.setdefault(tree.drafter or "?", [0, 0])
+                per[0] += len(tree)
+                per[1] += used
+            for d in self.drafters.values():
+                d.accept(s, v.tokens)
+        self._shadow(running, arm.drafter)
+
+    def _shadow(self, running: list, chosen: str) -> None:
+        """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
+        draft path per drafter that is scored against the tokens they emit next."""
+        others = [d for name, d in self.drafters.items() if name != chosen]
+        if not others or not running:
+            return
+        start = self._cursor % len(running)
+        self._cursor += SHADOW_SEQS
+        tick = self._cursor // SHADOW_SEQS
+        for i, s in enumerate((running[start:] + running[:start])[:SHADOW_SEQS]):
+            if s.finished:
+                continue
+            for d in others:  # drafters whose proposals cost forwards shadow on one sequence every 4th step
+                if d.costly and (i >= 1 or tick % 4):
+                    continue
+                pending = s.shadow.get(d.name)
+                if pending is not None:
+                    at, path = pending
+                    got = s.output_ids[at:]
+                    m = 0
+                    while m < min(len(path), len(got)) and path[m] == got[m]:
+                        m += 1
+                    if m < min(len(path), len(got)) or len(got) >= len(path):
+                        self.selector.record_shadow(d.name, m, len(path))
+                        pending = None
+                if pending is None:
+                    depth = self.cfg.init_depth if d.costly else self.cfg.max_depth
+                    try:
+                        tree = d.propose([s], [max(self.cfg.budgets)], [depth])[0]
+                    except Exception:
+                        tree = None
+                    path = tree.top_path() if tree else []
+                    if path:
+                        s.shadow[d.name] = (len(s.output_ids), path)
+                    else:
+                        s.shadow.pop(d.name, None)
+                        self.selector.record_shadow(d.name, 0, 0)

@@ -1,0 +1,53 @@
+"""Helpers shared by the tests (plain functions and constants; fixtures live in conftest.py)."""
+
+import itertools
+
+import torch
+
+from tailrl.engine import SamplingParams
+from tailrl.engine.sampler import warp_tensors, warped_logprobs
+from tailrl.spec.noise import uniform
+
+CHATS = [
+    [{"role": "user", "content": "List the first ten prime numbers."}],
+    [{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
+    [{"role": "user", "content": "What is the capital of Japan? Answer in one sentence."}],
+    [{"role": "user", "content": "Spell the word 'banana' letter by letter."}],
+]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def assert_same_or_tie(model, ref, out, params: SamplingParams, tol: float) -> None:
+    """out equals ref, or first differs where the decision was a tie within tol: for greedy, the two best logits;
+    for sampling, the position's keyed uniform within tol of a boundary of the warped distribution's CDF."""
+    i = first_difference(ref.token_ids, out.token_ids)
+    if i is None:
+        return
+    ids = torch.tensor(ref.prompt_token_ids + ref.token_ids[:i])
+    with torch.no_grad():
+        logits = model.forward_full(ids[None])[0][0, -1:]
+    if params.greedy:
+        top2 = torch.topk(logits[0].double(), 2).values
+        assert float(top2[0] - top2[1]) < tol, f"token {i} differs without a tie"
+        return
+    lp = warped_logprobs(logits, *warp_tensors([params], "cpu"))[0]
+    cdf = lp.double().exp().cumsum(0)
+    x = uniform(params.seed + ref.sample_index, i) * float(cdf[-1])
+    assert float((cdf - x).abs().min()) < tol, f"token {i} differs without a tie"
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams, D: int, V: int = 4) -> dict:
+    """The exact probability of every D-token continuation of prompt under the warped policy."""
+    seqs = list(itertools.product(range(V), repeat=D))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = model.forward_full(ids)[0][:, len(prompt) - 1 : -1]
+    lp = warped_logprobs(logits.reshape(-1, V), *warp_tensors([params] * (len(seqs) * D), "cpu")).view(len(seqs), D, V)
+    picked = lp.gather(-1, ids[:, len(prompt) :, None]).squeeze(-1).sum(-1)
+    return {s: float(p) for s, p in zip(seqs, picked.exp())}
