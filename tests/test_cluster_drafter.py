@@ -6,21 +6,19 @@ learned drafter are exact in distribution, not token for token, as drafts carry 
 import dataclasses
 
 import pytest
+import ray
 import torch
 
-pytest.importorskip("tailrl.engine.stats", reason="needs the engine step API (engine-core branch)")
-ray = pytest.importorskip("ray")
-
-from tailrl.cluster.config import ClusterConfig  # noqa: E402
-from tailrl.cluster.rollout import ClusterRollout  # noqa: E402
-from tailrl.cluster.workers import WorkerSpec  # noqa: E402
-from tailrl.drafter.config import DrafterConfig  # noqa: E402
-from tailrl.drafter.eagle import EagleDrafter  # noqa: E402
-from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tailrl.model import load_model  # noqa: E402
-from tailrl.rl.rollout_worker import head_state, merge_heads  # noqa: E402
-from tailrl.spec.config import SpecConfig  # noqa: E402
-from tests.conftest import make_tiny_chat_model  # noqa: E402
+from tailrl.cluster.config import ClusterConfig
+from tailrl.cluster.rollout import ClusterRollout
+from tailrl.cluster.workers import WorkerSpec
+from tailrl.drafter.config import DrafterConfig
+from tailrl.drafter.eagle import EagleDrafter
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+from tailrl.rl.rollout_worker import head_state, merge_heads
+from tailrl.spec.config import SpecConfig
+from tests.conftest import make_tiny_chat_model
 
 
 @pytest.fixture(scope="module", autouse=True)

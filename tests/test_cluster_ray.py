@@ -2,22 +2,20 @@
 speculation off and on, greedy and sampled; a killed or hung worker's samples are re-run with the same result."""
 
 import pytest
+import ray
 import torch
 
-pytest.importorskip("tailrl.engine.stats", reason="needs the engine step API (engine-core branch)")
+from tailrl.cluster.config import ClusterConfig
+from tailrl.cluster.cost import StepCost
+from tailrl.cluster.rollout import ClusterRollout
+from tailrl.cluster.workers import WorkerSpec
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+from tailrl.spec.config import SpecConfig
+from tests.conftest import make_tiny_chat_model
 
-from tailrl.cluster.config import ClusterConfig  # noqa: E402
-from tailrl.cluster.cost import StepCost  # noqa: E402
-from tailrl.cluster.rollout import ClusterRollout  # noqa: E402
-from tailrl.cluster.workers import WorkerSpec  # noqa: E402
-from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tailrl.model import load_model  # noqa: E402
-from tailrl.spec.config import SpecConfig  # noqa: E402
-from tests.conftest import make_tiny_chat_model  # noqa: E402
+from .cluster_fakes import fake_rollout
 
-from .cluster_fakes import fake_rollout  # noqa: E402
-
-ray = pytest.importorskip("ray")
 CPU = StepCost(base_s=0.03, per_token_s=0.0035)
 PROMPTS = ["1 + 2 =", "3 + 4 = 7 ####", "a b c", "9 9 9 9 +", "5 =", "d e"]
 

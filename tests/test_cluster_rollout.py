@@ -4,15 +4,13 @@ migration, sibling forwarding and failure recovery leave every sample's tokens a
 import pytest
 import torch
 
-pytest.importorskip("tailrl.engine.stats", reason="needs the engine step API (engine-core branch)")
+from tailrl.cluster.config import ClusterConfig
+from tailrl.cluster.cost import StepCost
+from tailrl.cluster.rollout import ClusterRollout
+from tailrl.cluster.workers import WorkerSpec
+from tailrl.engine import SamplingParams
 
-from tailrl.cluster.config import ClusterConfig  # noqa: E402
-from tailrl.cluster.cost import StepCost  # noqa: E402
-from tailrl.cluster.rollout import ClusterRollout  # noqa: E402
-from tailrl.cluster.workers import WorkerSpec  # noqa: E402
-from tailrl.engine import SamplingParams  # noqa: E402
-
-from .cluster_fakes import fake_rollout  # noqa: E402
+from .cluster_fakes import fake_rollout
 
 # prompt[0] bounds the response length: a few long groups among short ones
 PROMPTS = [[40, 1, 2], [3, 5], [6, 7, 8], [60, 9], [4, 4, 4], [5, 1], [30, 2, 2], [2, 3]]

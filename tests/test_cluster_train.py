@@ -6,13 +6,11 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
-pytest.importorskip("tailrl.engine.stats", reason="needs the engine step API (engine-core branch)")
-ray = pytest.importorskip("ray")
-
-from tailrl.rl.run import train  # noqa: E402
-from tests.conftest import make_tiny_chat_model  # noqa: E402
-from tests.rl_helpers import tiny_cfg, write_task  # noqa: E402
+from tailrl.rl.run import train
+from tests.conftest import make_tiny_chat_model
+from tests.rl_helpers import tiny_cfg, write_task
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,15 +14,17 @@ from ..engine import EngineConfig
 from .rollout_worker import head_state, merge_heads
 
 
-def make_cluster(cfg: Config):
-    """None for rollout.workers = 1; else a started `ClusterRollout` (Ray local, or cluster.address)."""
+def make_cluster(cfg: Config, engine: EngineConfig | None = None):
+    """None for rollout.workers = 1; else a started `ClusterRollout` (Ray local, or cluster.address) whose
+    workers run engines configured like the in-process one (`engine`)."""
     r = cfg.rollout
     if r.workers <= 1:
         return None
     from ..cluster.rollout import ClusterRollout
     from ..cluster.workers import WorkerSpec
 
-    engine = EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec)
+    engine = engine or EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed,
+                                    spec=r.spec)
     spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=cfg.model.dtype, device=cfg.model.device,
                       threads=r.worker_threads)
     if cfg.drafter.enabled or cfg.drafter.path:  # workers draft with the head, and train it when idle (TLT)

@@ -27,6 +27,7 @@ from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
 from .data import Example, Loader, chat_prompt, load_datasets
 from .guards import StepGuard
+from .multi_worker import cluster_rollout, make_cluster
 from .reward_runner import RewardRunner
 from .rewards import accuracy_verifier
 from .update import make_batch, policy_update
@@ -79,6 +80,8 @@ class Trainer:
         self.skip_reason: str | None = None  # why the last step did not update the policy
         self.step = 0
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
+        self.cluster_metrics: dict = {}
 
     def _check_context(self) -> None:
         ctx, c = self.policy.config.max_position_embeddings, self.cfg
@@ -128,6 +131,8 @@ class Trainer:
 
     def close(self) -> None:
         self.rewards.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
         if self.spot is not None:
             self.spot.close()
 
@@ -137,6 +142,10 @@ class Trainer:
         r = self.cfg.rollout
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                  top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
+        if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
+            comps, self.cluster_metrics = cluster_rollout(self.cluster, self.policy, [ex.ids for ex in examples], params,
+                                                          head=self.head)
+            return comps
         if self.spot is None:
             return self.engine.generate([ex.ids for ex in examples], params)
         self.drafter_trainer.model.sync_head()
@@ -208,6 +217,9 @@ class Trainer:
         push_weights(self.policy, self.engine.model)
         metrics.update(self._drafter_sync())
         timing["timing_s/sync"] = time.perf_counter() - t
+        if self.cluster is not None:  # the workers got this step's weights before its rollout
+            timing["timing_s/sync"] += self.cluster_metrics.pop("timing_s/sync", 0.0)
+            metrics.update(self.cluster_metrics)
         lens = torch.tensor([len(c.token_ids) for c in comps or all_comps], dtype=torch.float)
         st = all_comps.stats
         metrics.update({
@@ -252,7 +264,7 @@ class Trainer:
         and both heads re-read the policy's new LM head rows."""
         if self.head is None:
             return {}
-        if self.drafter_trainer is None:
+        if self.drafter_trainer is None or self.cluster is not None:  # with workers: merged in cluster_rollout
             self.head.sync_head()
             return {}
         tr = self.drafter_trainer
