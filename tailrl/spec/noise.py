@@ -68,12 +68,25 @@ def uniforms(seeds, positions, index=0, device=None) -> torch.Tensor:
 
 # ---- draws ----------------------------------------------------------------------------------------------
 
-def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(logp: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
     """Rows of log-probabilities [N, V] (need not be normalised; -inf = excluded) and uniforms [N] -> one
-    token per row, token t with probability p_t / sum(p). Never returns a token of probability 0."""
-    c = logp.double().exp().cumsum(-1)
-    x = (u.to(c.device, torch.float64) * c[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(c, x).squeeze(-1).clamp_(max=logp.shape[-1] - 1)
+    token per row, token t with probability p_t / sum(p). Never returns a token of probability 0.
+
+    Two levels, so no [N, V] float64 cumulative sum is built: block sums pick the block that holds u's share of
+    the mass, then a cumulative sum inside that block picks the token. Every row is computed on its own, so a
+    row's token does not depend on the other rows of the batch."""
+    N, V = logp.shape
+    p = logp.float().exp()
+    if V % block:
+        p = torch.nn.functional.pad(p, (0, block - V % block))
+    blocks = p.view(N, -1, block)
+    cb = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
+    x = u.to(device=p.device, dtype=torch.float64) * cb[:, -1]
+    b = torch.searchsorted(cb, x[:, None]).squeeze(-1).clamp_(max=cb.shape[1] - 1)
+    before = torch.where(b > 0, cb.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(-1), torch.zeros_like(x))
+    inner = blocks[torch.arange(N, device=p.device), b].double().cumsum(-1)
+    i = torch.searchsorted(inner, (x - before)[:, None]).squeeze(-1).clamp_(max=block - 1)
+    return (b * block + i).clamp_(max=V - 1)
 
 
 def draw(logp: torch.Tensor, seed: int, position: int, index: int = 0) -> int:
