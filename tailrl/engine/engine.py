@@ -142,10 +142,13 @@ class Engine:
             ids.append(s.seq_id)
         return ids
 
-    def end_rollout(self) -> None:
-        """One rollout (an RL step) ended: the history drafter keeps this epoch's responses."""
+    def end_rollout(self, stats: GenerateStats | None = None) -> None:
+        """One rollout (an RL step) ended: the history drafter keeps this epoch's responses; stats.stale gets
+        the acceptance watchdog's verdict per drafter."""
         if self.speculator is not None:
-            self.speculator.end_rollout()
+            stale = self.speculator.end_rollout()
+            if stats is not None:
+                stats.stale = stale
 
     # ---- the loop -------------------------------------------------------------------------------------------
 
@@ -176,5 +179,5 @@ class Engine:
                 out = self.step()
                 col.add(out)
                 bar.update(len(out.finished))
-        self.end_rollout()
+        self.end_rollout(col.stats)
         return col.result()

@@ -54,6 +54,7 @@ class GenerateStats:
     tail_batch: int = 4  # decode tokens and seconds while at most this many sequences run (the long tail)
     tail_tokens: int = 0
     tail_s: float = 0.0
+    stale: dict[str, float] = field(default_factory=dict)  # drafter -> 1.0 if its acceptance collapsed (watchdog)
 
     def add(self, r: StepRecord) -> None:
         self.steps += 1
@@ -94,6 +95,8 @@ class GenerateStats:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name in ("peak_kv_bytes", "tail_batch"):
                 setattr(self, f.name, max(a, b))
+            elif f.name == "stale":
+                a.update({k: max(a.get(k, 0.0), v) for k, v in b.items()})
             elif isinstance(a, dict):
                 _merge_dict(a, b)
             else:
@@ -133,6 +136,15 @@ class GenerateStats:
         for name, d in self.drafters.items():
             out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
             out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
+        out.update({f"stale/{k}": v for k, v in self.stale.items() if v})
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The rollout's speculation metrics for a training log (spec/...)."""
+        out = {"spec/accept_length": self.mean_accept_length, "spec/speedup_est": self.speedup_est,
+               "spec/tail_tokens_per_s": self.tail_tokens_per_s}
+        out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
+        out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
         return out
 
 

@@ -158,7 +158,7 @@ class Trainer:
                 self.lender.on_engine_step(self.engine.num_running, out.finished)
         finally:
             self.lender.stop()
-        self.engine.end_rollout()
+        self.engine.end_rollout(col.stats)
         return col.result()
 
     def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict]:
@@ -226,11 +226,8 @@ class Trainer:
             "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
             "response_length/min": float(lens.min()),
             "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
-            "perf/gen_tokens_per_s": st.tokens_per_s, "spec/accept_length": st.mean_accept_length,
-            "spec/speedup_est": st.speedup_est, "spec/tail_tokens_per_s": st.tail_tokens_per_s,
+            "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(),
         })
-        for name in st.drafters:
-            metrics[f"spec/accept_length/{name}"] = st.accept_length(name)
         metrics["response_lengths"] = lens.int().tolist()
         self.step += 1
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:

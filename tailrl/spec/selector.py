@@ -102,10 +102,12 @@ class Selector:
         self.rng = random.Random(cfg.seed)
 
     def predict(self, arm: Arm, B: int) -> float | None:
-        """Expected tokens per second for B sequences."""
+        """Expected tokens per second for B sequences (None: not measured yet)."""
         if arm == OFF:
             t = self.cost.predict(B)
             return B / t if t else None
+        if self.accept[arm].weight == 0:
+            return None
         t = self.cost.predict(B * (1 + self.drafted[arm].mean(arm.budget)))
         if t is None:
             return None
@@ -144,6 +146,13 @@ class Selector:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
             self._ema(self.draft_cost, arm.drafter, draft_s / B)
+
+    def forget(self, drafter: str) -> None:
+        """Drops what was measured of a drafter's arms: they count as unmeasured, so they are tried again."""
+        for arm in self.drafter_arms:
+            if arm.drafter == drafter:
+                self.accept[arm], self.drafted[arm] = Rate(), Rate()
+        self.correction = {k: v for k, v in self.correction.items() if k[1].drafter != drafter}
 
     def record_forward(self, tokens_in_pass: int, forward_s: float) -> None:
         self.cost.record(tokens_in_pass, forward_s)

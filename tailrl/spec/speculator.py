@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from .budgets import LengthTracker, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
 from .selector import OFF, Arm, Selector
 from .tree import DraftTree
 from .verify import Verdict
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per unchosen drafter
@@ -36,6 +38,8 @@ class Speculator:
         self._arm = OFF
         self._cursor = 0
         self.vocab_size = 0
+        self.lengths = LengthTracker()
+        self.watchdog = Watchdog()
 
     def attach(self, kv) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots."""
@@ -49,9 +53,18 @@ class Speculator:
             for d in self.drafters.values():
                 d.start(s)
 
-    def end_rollout(self) -> None:
+    def end_rollout(self) -> dict[str, float]:
+        """Ends a rollout for every drafter; returns {drafter: 1.0 if its acceptance collapsed in it, else 0.0}."""
         for d in self.drafters.values():
             d.end_rollout()
+        return self.watchdog.end_rollout(list(self.drafters))
+
+    def _watch(self, drafter: str, source: str, accepted: float, drafted: float) -> None:
+        stale = self.watchdog.observe(drafter, source, accepted, drafted)
+        if stale is not None:
+            log.warning("drafter %s went stale: acceptance %.2f -> %.2f of drafted tokens (after a weight sync?); "
+                        "reported as spec/stale/%s, the selector re-measures it", drafter, *stale, drafter)
+            self.selector.forget(drafter)
 
     # ---- drafting -------------------------------------------------------------------------------------------
 
@@ -61,7 +74,9 @@ class Speculator:
         if arm == OFF:
             return arm, None
         rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens (or the KV)
-        budgets = [max(min(arm.budget, r), 0) for r in rooms]
+        left = [self.lengths.remaining(s.prompt_ids, len(s.output_ids)) for s in running]
+        wanted = das_budgets(arm.budget, left, max(self.cfg.budgets))
+        budgets = [max(min(b, r), 0) for b, r in zip(wanted, rooms)]
         depths = [max(min(s.spec_depth, r), 0) for s, r in zip(running, rooms)]
         trees = self._propose(self.drafters[arm.drafter], running, budgets, depths)
         V = self.vocab_size
@@ -105,6 +120,8 @@ class Speculator:
         arm = self._arm
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
                              record.drafted, record.draft_s)
+        if record.drafted:
+            self._watch(arm.drafter, "verified", record.accepted, record.drafted)
         trees = self._trees or [None] * B
         cfg = self.cfg
         for s, tree, v in zip(running, trees, verdicts):
@@ -119,6 +136,8 @@ class Speculator:
                 per[1] += used
             for d in self.drafters.values():
                 d.accept(s, v.tokens)
+            if s.finished:
+                self.lengths.add(s.prompt_ids, len(s.output_ids))
         self._shadow(running, arm.drafter)
 
     def _shadow(self, running: list, chosen: str) -> None:
@@ -145,6 +164,7 @@ class Speculator:
                         m += 1
                     if m < min(len(path), len(got)) or len(got) >= len(path):
                         self.selector.record_shadow(d.name, m, len(path))
+                        self._watch(d.name, "shadow", m, len(path))
                         pending = None
                 if pending is None:
                     depth = self.cfg.init_depth if d.costly else self.cfg.max_depth

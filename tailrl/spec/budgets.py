@@ -1,0 +1,49 @@
+"""Per-request draft budgets from predicted remaining length (DAS: speculate where the remaining work is).
+
+The selector picks one arm (drafter, budget b) for the batch from measured cost and acceptance. Requests
+differ in how much they have left: a request predicted to end within b tokens gains nothing from drafting past
+its end, and a request predicted to run far longer than the others is the one that decides when the rollout
+ends (the long tail), so it gets a deeper tree. Predictions come from the lengths of earlier responses to the
+same prompt (earlier epochs, and siblings that already finished in this one)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class LengthTracker:
+    """Mean response length per prompt, over the last `keep` responses (bounded number of prompts)."""
+
+    def __init__(self, keep: int = 32, max_prompts: int = 100_000):
+        self.keep, self.max_prompts = keep, max_prompts
+        self.lengths: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+
+    def add(self, prompt_ids: list[int], length: int) -> None:
+        key = tuple(prompt_ids)
+        seen = self.lengths.setdefault(key, [])
+        seen.append(length)
+        del seen[: -self.keep]
+        self.lengths.move_to_end(key)
+        while len(self.lengths) > self.max_prompts:
+            self.lengths.popitem(last=False)
+
+    def remaining(self, prompt_ids: list[int], generated: int) -> int | None:
+        seen = self.lengths.get(tuple(prompt_ids))
+        if not seen:
+            return None
+        return max(round(sum(seen) / len(seen)) - generated, 0)
+
+
+def das_budgets(base: int, remaining: list[int | None], cap: int) -> list[int]:
+    """base: the arm's budget; remaining: predicted tokens left per request (None: no prediction)."""
+    out = []
+    for r in remaining:
+        if r is None:
+            out.append(base)
+        elif r < base:
+            out.append(max(r, 1))  # drafting past the predicted end is mostly wasted verification
+        elif r > 4 * base:
+            out.append(min(2 * base, max(cap, base)))  # the long tail: a deeper tree
+        else:
+            out.append(base)
+    return out

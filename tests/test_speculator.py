@@ -1,0 +1,92 @@
+"""The speculator's feedback: the acceptance watchdog and per-request draft budgets (DAS)."""
+
+import logging
+
+import pytest
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+from tailrl.spec.budgets import LengthTracker, das_budgets
+from tailrl.spec.config import SpecConfig
+from tailrl.spec.drafters import ModelFreeDrafter
+from tailrl.spec.speculator import Speculator
+from tailrl.spec.tree import DraftTree
+
+PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
+
+
+class OracleDrafter(ModelFreeDrafter):
+    """Drafts the tokens a reference greedy run emitted; made stale on purpose, it drafts wrong ones."""
+
+    name = "oracle"
+
+    def __init__(self, reference: dict):
+        self.reference, self.stale = reference, False
+
+    def start(self, seq) -> None:
+        pass
+
+    def accept(self, seq, tokens) -> None:
+        pass
+
+    def propose_one(self, seq, budget, depth):
+        ref = self.reference[tuple(seq.prompt_ids)]
+        nxt = ref[len(seq.output_ids) : len(seq.output_ids) + min(budget, depth)]
+        if self.stale:
+            nxt = [(t + 1) % 90 + 3 for t in nxt]
+        return DraftTree.chain(nxt, self.name) if nxt else None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.conftest import make_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_spec")
+    make_tiny_checkpoint(folder, "llama", seed=5)
+    return load_model(str(folder), device="cpu")[0]
+
+
+def test_the_watchdog_flags_a_drafter_made_stale_and_stays_quiet_otherwise(tiny, caplog):
+    params = SamplingParams(n=2, max_tokens=40, temperature=0, ignore_eos=True)
+    plain = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05)).generate(PROMPTS, params)
+    oracle = OracleDrafter({tuple(c.prompt_token_ids): c.token_ids for c in plain})
+    spec = SpecConfig(mode="history", budgets=(4,))
+    eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec), Speculator(spec, [oracle]))
+    flags = []
+    for rollout in range(4):
+        oracle.stale = rollout == 3  # a weight sync the drafter did not follow
+        with caplog.at_level(logging.WARNING):
+            outs = eng.generate(PROMPTS, params)
+        flags.append(outs.stats.stale["oracle"])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # lossless whatever it drafts
+    assert flags == [0.0, 0.0, 0.0, 1.0]
+    assert "drafter oracle went stale" in caplog.text and "spec/stale/oracle" in caplog.text
+    assert outs.stats.metrics()["spec/stale/oracle"] == 1.0
+
+
+def test_das_gives_the_long_tail_deeper_trees_and_stops_at_the_predicted_end():
+    assert das_budgets(4, [None, 2, 0, 10, 100], cap=16) == [4, 2, 1, 4, 8]
+    assert das_budgets(8, [1000], cap=8) == [8]  # never above the largest budget the selector knows
+    lengths = LengthTracker(keep=3)
+    for n in (10, 20, 30, 40):
+        lengths.add([1, 2], n)
+    assert lengths.remaining([1, 2], 5) == 25 and lengths.remaining([9], 0) is None  # mean of the last 3
+
+
+def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
+    """After a rollout, the speculator knows each prompt's response length and drafts no further than it."""
+    spec = SpecConfig(mode="ngram", budgets=(4,))
+    sp = Speculator(spec)
+    eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec), sp)
+    eng.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=6, temperature=0, ignore_eos=True))
+    assert sp.lengths.remaining(PROMPTS[0], 0) == 6
+    seen = []
+    orig = sp.drafters["ngram"].propose
+
+    def spy(seqs, budgets, depths):
+        seen.extend((len(s.output_ids), b) for s, b in zip(seqs, budgets))
+        return orig(seqs, budgets, depths)
+
+    sp.drafters["ngram"].propose = spy
+    eng.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True))
+    assert seen and all(b <= max(6 - n, 1) for n, b in seen if n < 6)
