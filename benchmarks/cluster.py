@@ -79,8 +79,10 @@ def main():
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for c in CHATS]
-    params = [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=100 * i)
-              for i in range(len(prompts))]
+    def params(epoch: int) -> list[SamplingParams]:  # new seeds every epoch, as RL steps have
+        return [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, seed=1000 * epoch + 100 * i)
+                for i in range(len(prompts))]
+
     ecfg = EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=args.spec))
     spec = WorkerSpec(model="smollm2-135m", engine=ecfg, threads=1)
     if args.siblings:
@@ -94,12 +96,12 @@ def main():
     try:
         for epoch in range(args.epochs):
             t = time.perf_counter()
-            base = engine.generate(prompts, params)
+            base = engine.generate(prompts, params(epoch))
             rows.append((epoch, "1 engine x 2 threads (in process)", time.perf_counter() - t, None, base))
             ref = [c.token_ids for c in base]
             for name, cr in arms.items():  # interleaved with the baseline, one epoch at a time
                 t = time.perf_counter()
-                out = cr.generate(prompts, params)
+                out = cr.generate(prompts, params(epoch))
                 rows.append((epoch, f"2 Ray workers x 1 thread, {name}", time.perf_counter() - t, cr.metrics, out))
                 assert [c.token_ids for c in out] == ref, f"{name}: tokens differ from the single engine"
     finally:

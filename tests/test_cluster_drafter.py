@@ -41,7 +41,7 @@ def test_idle_workers_train_the_drafter_and_the_rollout_stays_exact(tmp_path):
     prompts = ["1 + 2 =", "a b", "c d", "e"]
     params = [SamplingParams(n=4, max_tokens=48 if i == 0 else 6, temperature=0.0, seed=7 * i) for i in range(4)]
     ref = Engine(model, tok, EngineConfig(kv_cache_gb=0.05, max_num_seqs=8)).generate(prompts, params)
-    cr = ClusterRollout(spec, 2, ClusterConfig(placement="static", migrate=False, round_steps=1))
+    cr = ClusterRollout(spec, 2, ClusterConfig(placement="static", migrate=False, round_steps=1, round_s=0.02))
     try:
         for step in range(2):
             cr.sync_weights(model.state_dict(), head_state(head))

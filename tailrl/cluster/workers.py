@@ -11,6 +11,7 @@ position)); workers differ in speed only, which is why a dead worker's samples c
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -190,6 +191,8 @@ def start_ray(address: str = "", num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        # Ray starts workers at niceness 15 (background work); rollout workers are the step's critical path
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=num_cpus, **kwargs)
 
 
