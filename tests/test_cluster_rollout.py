@@ -109,3 +109,20 @@ def test_unseeded_requests_get_driver_seeds():
     comps = cr.generate(PROMPTS, params)
     seeded = [SamplingParams(n=2, max_tokens=16, seed=p.seed) for p in cr.params]
     assert as_tuples(comps) == fake_rollout(PROMPTS, seeded)
+
+
+def test_a_worker_failing_while_taking_requeued_work_loses_nothing():
+    ref = fake_rollout(PROMPTS, PARAMS)
+    cr = ClusterRollout(spec(), 3, ClusterConfig(round_steps=2, migrate=False), CPU, local=True)
+    cr.start(PROMPTS, PARAMS)
+    cr.step()
+
+    def boom(*_):
+        raise RuntimeError("worker lost")
+
+    cr.pool.workers[0].engine.step = boom  # worker 0 dies in the next round ...
+    cr.pool.workers[1].engine.add_requests = boom  # ... and worker 1 dies taking its samples
+    while cr.step():
+        pass
+    assert as_tuples(cr.finish()) == ref
+    assert cr.metrics["cluster/worker_failures"] == 2

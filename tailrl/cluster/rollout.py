@@ -201,8 +201,7 @@ class ClusterRollout:
             ids, prompt_ids = self.pool.call(w, "add", [self.prompts[u.prompt_index] for u in units], sampling,
                                              [u.prompt_index for u in units], timeout=self.cfg.step_timeout_s)
         except WorkerFailed as e:
-            self.counts["cluster/worker_failures"] += 1
-            log.warning("%s; its samples go elsewhere", e)
+            self._fail(w, str(e))
             self._requeue([(u.prompt_index, u.first + j) for u in units for j in range(u.count)])
             return
         it = iter(ids)
