@@ -23,7 +23,12 @@ from .spec.config import SpecConfig
 class ModelCfg:
     path: str = "smollm2-135m"  # known name, HF folder or .gguf
     device: str | None = None  # None: cuda if present, else cpu
-    dtype: str = "float32"  # policy weights (the engine runs the same dtype)
+    # the rollout engine's weights: auto = bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32. The
+    # trainer keeps fp32 master weights and fp32 Adam state whatever this is.
+    dtype: str = "auto"
+    # where the update's forward/backward runs: auto = a bf16 copy of the weights when the engine runs bf16 (the
+    # fastest here, benchmarks/update.py), else fp32; float32 | autocast (bf16 autocast over fp32) | bfloat16
+    train_compute: str = "auto"
 
 
 @dataclass
@@ -67,6 +72,9 @@ class AlgoCfg:
     lr: float = 3e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    # truncated importance sampling against the rollout engine's logprobs (verl's TIS): each token's loss times
+    # min(exp(trainer old logprob - rollout logprob), tis_cap), detached; 0 = off
+    tis_cap: float = 0.0
 
 
 @dataclass
@@ -142,7 +150,11 @@ class Config:
             (not (self.trainer.resume and self.trainer.overwrite), "trainer.resume",
              "false when trainer.overwrite=true (continue the run, or replace it: not both)"),
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
-            (self.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32, bfloat16 or float16"),
+            (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype",
+             "auto, float32, bfloat16 or float16"),
+            (self.model.train_compute in ("auto", "float32", "autocast", "bfloat16"), "model.train_compute",
+             "auto, float32, autocast or bfloat16"),
+            (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
         ]
         for ok, key, what in checks:
             if not ok:

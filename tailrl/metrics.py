@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per step (metrics.jsonl), TensorBoard scalars, and the live console view.
+"""Run metrics: one JSON line per step (metrics.jsonl), a few sampled completions at chosen steps (samples.jsonl),
+TensorBoard scalars, and the live console view.
 
 A line cut off by a killed run (the last one) is skipped with a warning naming the file and line, by the
 reader and by a resuming writer, which rewrites the file whole (tmp + rename) before appending."""
@@ -19,13 +20,9 @@ class MetricsWriter:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        if resume_step is not None and self.path.is_file():  # drop steps a killed run logged after its checkpoint
-            keep = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            os.replace(tmp, self.path)
-        elif resume_step is None and self.path.is_file():
-            self.path.unlink()
+        restart_jsonl(self.path, resume_step)
+        self.samples = self.dir / "samples.jsonl"
+        restart_jsonl(self.samples, resume_step)
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -45,9 +42,28 @@ class MetricsWriter:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
 
+    def log_samples(self, rows: list[dict]) -> None:
+        """A few completions of a step (rl/samples.py) to samples.jsonl."""
+        if rows:
+            with self.samples.open("a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def restart_jsonl(path: Path, resume_step: int | None) -> None:
+    """A fresh run starts the file anew; a resumed one drops the rows a killed run logged after its checkpoint."""
+    if not path.is_file():
+        return
+    if resume_step is None:
+        path.unlink()
+        return
+    keep = [r for r in read_jsonl(path) if r.get("step", 0) <= resume_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,11 +1,12 @@
 """The run report: plots of reward and accuracy, step time by phase, response lengths per step and accept
-length over steps, written as report.png and report.md in the run folder."""
+length over steps, written as report.png and report.md in the run folder, and one good and one bad completion
+from the first and the last logged steps (samples.jsonl), so that a reader sees what the model learned."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .metrics import read_metrics
+from .metrics import read_jsonl, read_metrics
 
 PHASES = ["gen", "reward", "old_log_prob", "ref", "update", "sync", "eval"]
 
@@ -77,6 +78,27 @@ def make_report(run_dir: str | Path) -> Path:
         lines.append(f"| {r['step']} | {r['reward/mean']:.3f} | {r['acc/mean']:.2f} | {r['response_length/mean']:.0f} | "
                      f"{r['timing_s/gen']:.1f} | {r['timing_s/update']:.1f} | {r['timing_s/step']:.1f} | "
                      f"{r.get('spec/accept_length', 1):.2f} |")
+    lines += sample_lines(run_dir)
     md = run_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def sample_lines(run_dir: Path) -> list[str]:
+    """Markdown: the best and the worst completion (by reward) of the first and the last step in samples.jsonl."""
+    path = run_dir / "samples.jsonl"
+    rows = read_jsonl(path) if path.is_file() else []
+    if not rows:
+        return []
+    steps = sorted({r["step"] for r in rows})
+    out = ["", "## What the model wrote", ""]
+    for step in dict.fromkeys([steps[0], steps[-1]]):
+        at = [r for r in rows if r["step"] == step]
+        good, bad = max(at, key=lambda r: r["reward"]), min(at, key=lambda r: r["reward"])
+        for label, r in (("good", good), ("bad", bad)):
+            head = (f"**step {step}, {label}** (reward {r['reward']:.2f}{', correct' if r.get('correct') else ''}, "
+                    f"{r.get('length', '?')} tokens, {r.get('finish_reason', '?')})")
+            out += [head, "",
+                    "> " + r["prompt"].strip().replace("\n", "\n> "), "", "```text",
+                    r["completion"].replace("```", "` ` `"), "```", ""]
+    return out

@@ -75,7 +75,9 @@ def test_engine_logprobs_equal_trainer_logprobs_after_a_step(tiny_chat, task_fil
     from tailrl.engine import SamplingParams
     from tailrl.rl.algos import token_logprobs
 
-    trainer = Trainer(tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "rollout.spec.mode=off"))
+    # an fp32 property: the engine runs the trainer's own fp32 module (bf16 engines differ, see test_bf16_*)
+    trainer = Trainer(tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "rollout.spec.mode=off",
+                               "model.dtype=float32"))
     before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     trainer.train_step()
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())

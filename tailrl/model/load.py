@@ -128,13 +128,43 @@ def _write_gguf_cache(folder: Path, hf_cfg: dict, sd: dict, tokenizer) -> None:
         log.warning("could not cache the dequantized GGUF in %s: %s", folder, e)
 
 
-def load_model(name_or_path: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-    """Returns (CausalLM, tokenizer or None). Defaults: CUDA + bf16 when present, else CPU + fp32."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    """The CPU multiplies bf16 matrices in hardware: AVX-512 BF16 or AMX (asked of torch, else /proc/cpuinfo)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch: read the flags
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """A dtype name ("auto", "float32", "bfloat16", "float16"), a torch dtype or None -> torch dtype.
+    auto: bf16 on CUDA and on CPUs with bf16 matrix hardware (cpu_has_bf16), fp32 elsewhere. None: bf16 on CUDA,
+    fp32 on any CPU (the library default, so that fp32 parity holds unless a caller asks for auto)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") or cpu_has_bf16() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(name_or_path: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None):
+    """Returns (CausalLM, tokenizer or None). Defaults: CUDA + bf16 when present, else CPU + fp32; dtype may be
+    a name or "auto" (see `resolve_dtype`)."""
     path = resolve_model_path(name_or_path)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype is None:
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    dtype = resolve_dtype(dtype, device)
     if path.endswith(".gguf"):
         cached = _gguf_cache_dir(path)
         if cached is not None and (cached / "model.safetensors").is_file():

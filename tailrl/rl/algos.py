@@ -34,14 +34,17 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tens
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean") -> tuple[torch.Tensor, dict]:
+                clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with decoupled clip range [1 - clip_low, 1 + clip_high] (DAPO clip-higher).
-    advantages [B] (one per sequence) or [B, T]."""
+    advantages [B] (one per sequence) or [B, T]; weights [B, T], detached, multiply each token's loss (truncated
+    importance sampling against the rollout engine's logprobs)."""
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token * weights.detach() if weights is not None else per_token, mask, agg)
     with torch.no_grad():
         m = mask.bool()
         clip_frac = ((clipped > unclipped) & m).float().sum() / m.sum().clamp_min(1)

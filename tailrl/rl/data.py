@@ -127,6 +127,26 @@ def _task_rows(task: str, n: int, seed: int) -> list[tuple[str, dict]]:
     return [(f"{task} row {i}", r) for i, r in enumerate(make_rows(task, n, seed=seed), 1)]
 
 
+def fit_prompts(examples: list[Example], encode, system_prompt: str, max_tokens: int, split: str) -> list[Example]:
+    """Tokenizes each prompt (Example.ids) with `encode`; a prompt that does not tokenize or is longer than
+    max_tokens is skipped with a warning naming its row. Raises when no prompt of a non-empty split is left."""
+    keep = []
+    for ex in examples:
+        try:
+            ex.ids = encode(chat_prompt(ex.prompt, system_prompt))
+        except Exception as e:  # a chat template may reject what the row validation let through
+            log.warning("%s skipped: the prompt does not tokenize (%s: %s)", ex.source or split, type(e).__name__, e)
+            continue
+        if len(ex.ids) > max_tokens:
+            log.warning("%s skipped: prompt of %d tokens (data.max_prompt_tokens=%d)", ex.source or split,
+                        len(ex.ids), max_tokens)
+            continue
+        keep.append(ex)
+    if examples and not keep:
+        raise ValueError(f"no {split} prompt fits data.max_prompt_tokens={max_tokens}")
+    return keep
+
+
 def chat_prompt(prompt, system_prompt: str = "") -> list[dict]:
     msgs = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if system_prompt and not (msgs and msgs[0].get("role") == "system"):

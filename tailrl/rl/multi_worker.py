@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
+
 from ..config import Config
 from ..engine import EngineConfig
+from ..model.load import resolve_dtype
 from .rollout_worker import head_state, merge_heads
 
 
@@ -25,7 +28,9 @@ def make_cluster(cfg: Config, engine: EngineConfig | None = None):
 
     engine = engine or EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed,
                                     spec=r.spec)
-    spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=cfg.model.dtype, device=cfg.model.device,
+    device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = str(resolve_dtype(cfg.model.dtype, device)).removeprefix("torch.")  # auto: as the driver's hardware
+    spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=dtype, device=cfg.model.device,
                       threads=r.worker_threads)
     if cfg.drafter.enabled or cfg.drafter.path:  # workers draft with the head, and train it when idle (TLT)
         spec.factory = "tailrl.rl.rollout_worker:build"

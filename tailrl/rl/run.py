@@ -61,6 +61,7 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnS
         metrics = trainer.train_step()
         with stop.critical():
             writer.log(trainer.step, metrics)
+            writer.log_samples(trainer.samples)
         view.update(trainer.step, metrics)
         trainer.guard.after_step(trainer.step, metrics, trainer.skip_reason)
         last = trainer.step == cfg.trainer.steps

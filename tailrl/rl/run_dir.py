@@ -95,7 +95,7 @@ def claim(folder: Path, resume: bool, overwrite: bool) -> RunLock:
             log.warning("trainer.overwrite=true: deleting the previous run's metrics and checkpoints in %s", folder)
             for name in ("checkpoints", "tensorboard"):
                 shutil.rmtree(folder / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "report.md", "report.png"):
+            for name in ("metrics.jsonl", "samples.jsonl", "report.md", "report.png"):
                 (folder / name).unlink(missing_ok=True)
     except BaseException:
         lock.release()

@@ -17,24 +17,27 @@ from pathlib import Path
 import torch
 
 from ..config import Config, to_dict
-from ..drafter.eagle import EagleDrafter, load_drafter
 from ..drafter.compose import make_speculator
+from ..drafter.eagle import EagleDrafter, load_drafter
 from ..drafter.propose import LearnedDrafter
 from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..model import load_model
+from ..model.load import resolve_dtype
 from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
-from .data import Example, Loader, chat_prompt, load_datasets
+from .data import Example, Loader, fit_prompts, load_datasets
+from .forward import make_batch
 from .guards import StepGuard
 from .multi_worker import cluster_rollout, make_cluster
+from .precision import Precision, resolve_mode
 from .reward_runner import RewardRunner
 from .rewards import accuracy_verifier
-from .update import make_batch, policy_update
+from .samples import pick_samples, sample_steps
+from .update import policy_update
 from .weights import push_weights
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def step_seed(seed: int, step: int, prompt: int) -> int:
@@ -49,27 +52,35 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         random.seed(cfg.trainer.seed)
         torch.manual_seed(cfg.trainer.seed)
-        dtype = DTYPES[cfg.model.dtype]
-        self.policy, self.tokenizer = load_model(cfg.model.path, device=cfg.model.device, dtype=dtype)
+        device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        rollout_dtype = resolve_dtype(cfg.model.dtype, device)
+        # the policy is the fp32 master (optimizer, checkpoints); the engine runs its own copy in rollout_dtype
+        self.policy, self.tokenizer = load_model(cfg.model.path, device=device, dtype=torch.float32)
         if self.tokenizer is None:
             raise ValueError(f"model {cfg.model.path!r} has no tokenizer; training needs one for prompts and rewards")
         self._check_context()
         self.policy.requires_grad_(True)
-        self.ref = copy.deepcopy(self.policy).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        engine_model = self.policy if rollout_dtype == torch.float32 else copy.deepcopy(self.policy).to(rollout_dtype)
+        mode = resolve_mode(cfg.model.train_compute, rollout_dtype)
+        # a bf16 compute copy and the bf16 engine hold the same weights after every update: one module serves both
+        self.prec = Precision(self.policy, mode, engine_model if engine_model.dtype == torch.bfloat16 else None)
+        self.ref = copy.deepcopy(self.prec.model).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        self.samples: list[dict] = []  # rows for samples.jsonl from the last step (first, middle and last steps)
         r = cfg.rollout
-        self.head, self.drafter_trainer, self.spot = self._build_drafter()
+        self.head, self.drafter_trainer, self.spot = self._build_drafter(engine_model)
         self.lender = None
         if self.spot is not None:
             tail = max(cfg.drafter.spot_batch, int(cfg.drafter.spot_frac * r.n * cfg.trainer.prompts_per_step))
             self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter, tail)
-        self.engine = Engine(self.policy, self.tokenizer, EngineConfig(
+        self.engine = Engine(engine_model, self.tokenizer, EngineConfig(
             kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec,
-            max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, self.policy.config.max_position_embeddings)),
+            max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.last_step_s = 0.0
         self.train_set, self.eval_set = load_datasets(cfg.data)
-        self.train_set = self._fit_prompts(self.train_set, "train")
-        self.eval_set = self._fit_prompts(self.eval_set, "eval")
+        d = cfg.data
+        self.train_set = fit_prompts(self.train_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "train")
+        self.eval_set = fit_prompts(self.eval_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
         self.loader = Loader(len(self.train_set), cfg.trainer.seed)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
                                            betas=(0.9, 0.99))
@@ -92,36 +103,20 @@ class Trainer:
             log.warning("data.max_prompt_tokens + rollout.max_tokens = %d exceeds the model's context (%d): responses "
                         "to the longest prompts are cut short", c.rollout.max_tokens + c.data.max_prompt_tokens, ctx)
 
-    def _build_drafter(self):
+    def _build_drafter(self, target):
         """The learned drafter: the engine's head (drafts), a trainer with its own copy (online training when
         drafter.spot is on; otherwise the head stays as loaded: a frozen drafter)."""
         d = self.cfg.drafter
         if not (d.enabled or d.path):
             return None, None, None
+        # target: the engine's model; the head drafts inside the engine, on its hidden states and in its dtype
         if d.path:
-            head = load_drafter(d.path, self.policy)
+            head = load_drafter(d.path, target)
         else:
-            head = EagleDrafter(self.policy.config).to(device=self.policy.device, dtype=self.policy.dtype).bind(self.policy)
+            head = EagleDrafter(target.config).to(device=target.device, dtype=target.dtype).bind(target)
         trainer = DrafterTrainer(head, d, seed=self.cfg.trainer.seed) if d.spot else None
         spot = SpotTrainer(trainer, d) if trainer is not None else None
         return head, trainer, spot
-
-    def _fit_prompts(self, examples: list[Example], split: str) -> list[Example]:
-        keep = []
-        for ex in examples:
-            try:
-                ex.ids = self.engine.encode(chat_prompt(ex.prompt, self.cfg.data.system_prompt))
-            except Exception as e:  # a chat template may reject what the row validation let through
-                log.warning("%s skipped: the prompt does not tokenize (%s: %s)", ex.source or split, type(e).__name__, e)
-                continue
-            if len(ex.ids) > self.cfg.data.max_prompt_tokens:
-                log.warning("%s skipped: prompt of %d tokens (data.max_prompt_tokens=%d)", ex.source or split,
-                            len(ex.ids), self.cfg.data.max_prompt_tokens)
-                continue
-            keep.append(ex)
-        if examples and not keep:
-            raise ValueError(f"no {split} prompt fits data.max_prompt_tokens={self.cfg.data.max_prompt_tokens}")
-        return keep
 
     @property
     def history(self):
@@ -161,7 +156,7 @@ class Trainer:
         self.engine.end_rollout(col.stats)
         return col.result()
 
-    def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict]:
+    def score(self, examples: list[Example], comps, group_size: int) -> tuple[torch.Tensor, dict, list[bool]]:
         prompts = [examples[c.prompt_index].prompt for c in comps]
         texts = [c.text for c in comps]
         columns = {"answer": [examples[c.prompt_index].answer for c in comps]}
@@ -177,7 +172,7 @@ class Trainer:
                    "reward/invalid": st.invalid}
         for name, v in st.per_fn.items():
             metrics[f"reward/{name.split(':')[-1]}/mean"] = v
-        return rewards, metrics
+        return rewards, metrics, correct
 
     def evaluate(self) -> dict:
         comps = self.engine.generate([ex.ids for ex in self.eval_set],
@@ -185,7 +180,7 @@ class Trainer:
         comps = [c for c in comps if c.finish_reason != "error"]
         if not comps:
             return {"eval/accuracy": float("nan"), "eval/reward": float("nan")}
-        rewards, m = self.score(self.eval_set, comps, group_size=1)
+        rewards, m, _ = self.score(self.eval_set, comps, group_size=1)
         return {"eval/accuracy": m["acc/mean"], "eval/reward": float(rewards.mean())}
 
     def _accepted(self, comps, n: int) -> tuple[list, int]:
@@ -200,6 +195,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         t_step = time.perf_counter()
+        self.samples = []
         idx = self.loader.next(cfg.trainer.prompts_per_step)
         examples = [self.train_set[i] for i in idx]
         timing = {}
@@ -214,7 +210,7 @@ class Trainer:
             self.skip_reason = "every prompt of the step was rejected by the engine"
             metrics["train/skipped_steps"] = 1
         t = time.perf_counter()
-        push_weights(self.policy, self.engine.model)
+        self._sync_engine()
         metrics.update(self._drafter_sync())
         timing["timing_s/sync"] = time.perf_counter() - t
         if self.cluster is not None:  # the workers got this step's weights before its rollout
@@ -242,7 +238,10 @@ class Trainer:
         """Rewards -> advantages -> policy update; no optimizer step on a non-finite reward or advantage."""
         n = self.cfg.rollout.n
         t = time.perf_counter()
-        rewards, metrics = self.score(examples, comps, n)
+        rewards, metrics, correct = self.score(examples, comps, n)
+        if self.step + 1 in sample_steps(self.cfg.trainer.steps):
+            self.samples = pick_samples(self.step + 1, [examples[c.prompt_index].prompt for c in comps], comps,
+                                        rewards.tolist(), correct)
         timing["timing_s/reward"] = time.perf_counter() - t
         adv = group_advantages(rewards, n, norm_std=self.cfg.algo.advantage == "grpo")
         bad = "reward" if not torch.isfinite(rewards).all() else "advantage" if not torch.isfinite(adv).all() else None
@@ -251,10 +250,16 @@ class Trainer:
             metrics["train/skipped_steps"] = 1
             return metrics
         rng = random.Random(f"{self.cfg.trainer.seed}-update-{self.step}")
-        actor, self.skip_reason = policy_update(self.policy, self.optimizer, self.ref, make_batch(comps, self.pad), adv,
+        actor, self.skip_reason = policy_update(self.prec, self.optimizer, self.ref, make_batch(comps, self.pad), adv,
                                                 self.cfg.algo, self.cfg.rollout.temperature, rng, timing)
         metrics.update(actor)
         return metrics
+
+    def _sync_engine(self) -> None:
+        """The master's weights to the engine, cast to its dtype (a bf16 compute copy that is the engine's model
+        took them after each optimizer step already)."""
+        if self.engine.model is not self.prec.model:
+            push_weights(self.policy, self.engine.model)
 
     def _drafter_sync(self) -> dict:
         """Between steps: the trained head's weights (and, once known, its draft vocabulary) go to the engine,
@@ -297,7 +302,8 @@ class Trainer:
         if self.policy.config.tie_word_embeddings:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         self.policy.load_state_dict(sd)
-        push_weights(self.policy, self.engine.model)
+        self.prec.after_step()
+        self._sync_engine()
         state = got.state
         self.step = state["step"]
         if state.get("optimizer") is not None:

@@ -1,0 +1,104 @@
+"""The update's batch and its forward: completions -> a `Batch`; micro-batches of similar length; token logprobs
+and entropies of the response tokens through the chunked LM head (logprobs.py).
+
+Invariants:
+- Values live in one [B, T] layout (`Batch.mask` marks response tokens; column j of row i is the token at
+  position `start + 1 + j` of sequence i), whatever micro-batch computed them, so the loss code (algos.py) never
+  sees how the forward was cut up.
+- A micro-batch is padded only to its own longest sequence (right padding, harmless under the causal mask), and
+  only response positions reach the LM head: the result equals one padded full-logits forward over the whole batch
+  (tests/test_update.py) within float rounding.
+- Under `autocast` the body's matrix products run in bf16 over fp32 master weights (torch.autocast) and the head
+  matmul in bf16; softmax, logsumexp and everything after are fp32."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .logprobs import CHUNK_ROWS, head_logprobs
+
+
+@dataclass
+class Batch:
+    seqs: list[list[int]]  # prompt + response token ids
+    prompt_lens: list[int]
+    mask: torch.Tensor  # [B, T] float: 1 on response tokens
+    rollout_lp: torch.Tensor  # [B, T] the engine's logprob of each response token (0 elsewhere)
+    start: int  # position whose hidden state predicts column 0
+    pad: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens a forward over the whole batch reads (prompts and responses, no padding)."""
+        return sum(len(s) - 1 for s in self.seqs)
+
+
+def make_batch(comps, pad: int) -> Batch:
+    """comps: completions that all have a prompt (rejected requests are left out before)."""
+    seqs = [c.prompt_token_ids + c.token_ids for c in comps]
+    plens = [len(c.prompt_token_ids) for c in comps]
+    start = min(plens) - 1  # first position whose logits predict a response token
+    T = max(len(s) for s in seqs) - 1 - start
+    mask, rollout = torch.zeros(len(comps), T), torch.zeros(len(comps), T)
+    for i, c in enumerate(comps):
+        p, n = plens[i] - 1 - start, len(c.token_ids)
+        mask[i, p : p + n] = 1.0
+        if len(c.logprobs) == n:
+            rollout[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return Batch(seqs, plens, mask, rollout, start, pad)
+
+
+def length_micro_batches(batch: Batch, idx: list[int], size: int) -> list[list[int]]:
+    """Splits idx into micro-batches of at most `size` sequences, neighbours in length (longest first), so that
+    padding inside a micro-batch is small. The split is a function of the lengths only (deterministic)."""
+    order = sorted(idx, key=lambda i: (-len(batch.seqs[i]), i))
+    return [order[k : k + size] for k in range(0, len(order), size)]
+
+
+def autocast_ctx(model, enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=model.device.type, dtype=torch.bfloat16)
+
+
+def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, autocast: bool = False,
+                      chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask);
+    differentiable when grad is enabled."""
+    dev = model.device
+    seqs = [batch.seqs[i] for i in idx]
+    L = max(len(s) for s in seqs) - 1
+    toks = torch.full((len(seqs), L), batch.pad, dtype=torch.long)
+    rows, targets, cols = [], [], []
+    T = batch.mask.shape[1]
+    for b, (i, s) in enumerate(zip(idx, seqs)):
+        toks[b, : len(s) - 1] = torch.tensor(s[:-1])
+        p = batch.prompt_lens[i]
+        rows.append(torch.arange(p - 1, len(s) - 1) + b * L)  # hidden rows predicting response tokens
+        targets.append(torch.tensor(s[p:]))
+        cols.append(torch.arange(p - 1 - batch.start, len(s) - 1 - batch.start) + b * T)
+    rows, targets, cols = (torch.cat(x).to(dev) for x in (rows, targets, cols))
+    n = model.config.num_hidden_layers
+    with autocast_ctx(model, autocast):
+        # logits_start=L: the body only; its last hidden state (after the final norm) goes to the chunked head
+        _, hidden = model.forward_full(toks.to(dev), hidden_layers=(n,), logits_start=L)
+    h = hidden[n].reshape(-1, hidden[n].shape[-1])[rows]
+    lp, ent = head_logprobs(h, model.lm_head.weight, targets, temperature, chunk,
+                            torch.bfloat16 if autocast else None)
+    zeros = torch.zeros(len(seqs) * T, device=dev)
+    return zeros.scatter(0, cols, lp).view(-1, T), zeros.scatter(0, cols, ent).view(-1, T)
+
+
+def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False) -> torch.Tensor:
+    """[B, T] logprobs of the whole batch, without a graph (old or reference logprobs)."""
+    out = torch.zeros_like(batch.mask)
+    with torch.inference_mode():
+        for ids in length_micro_batches(batch, list(range(len(batch))), micro):
+            out[ids] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+    return out

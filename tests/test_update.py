@@ -1,0 +1,133 @@
+"""The update's forward: chunked LM-head logprobs and entropies equal the full-logits ones (values and gradients),
+length-grouped micro-batches equal one padded batch, bf16 compute with fp32 master weights accumulates in fp32,
+and truncated importance sampling weighs each token's loss."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tailrl.config import AlgoCfg
+from tailrl.model import load_model
+from tailrl.rl.algos import policy_loss, token_logprobs
+from tailrl.rl.forward import length_micro_batches, make_batch, sequence_logprobs
+from tailrl.rl.logprobs import head_logprobs
+from tailrl.rl.precision import Precision
+from tailrl.rl.update import mismatch, policy_update
+from tests.conftest import make_tiny_checkpoint
+
+# fp32 tolerances: the chunked path sums the same products in another order
+VALUE_TOL, GRAD_RTOL, GRAD_ATOL = 2e-5, 1e-4, 2e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_update")
+    make_tiny_checkpoint(folder, "llama", vocab=96)
+    model, _ = load_model(str(folder), device="cpu", dtype=torch.float32)
+    return model.requires_grad_(True)
+
+
+def comps(seed: int = 0, n: int = 7):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 9))]
+        resp = [rng.randrange(3, 96) for _ in range(rng.randint(1, 14))]
+        out.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-2.0] * len(resp)))
+    return out
+
+
+def padded_reference(model, batch, temperature):
+    """The old path: one padded forward, full [B, T, V] logits, log-softmax."""
+    L = max(len(s) for s in batch.seqs)
+    toks = torch.tensor([s + [0] * (L - len(s)) for s in batch.seqs])
+    logits, _ = model.forward_full(toks[:, :-1], logits_start=batch.start)
+    lp, ent = token_logprobs(logits, toks[:, batch.start + 1 :], temperature)
+    return lp * batch.mask, ent * batch.mask
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_head_equals_full_logits_values_and_gradients(chunk):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = (torch.randn(50, 16) * 0.5).requires_grad_()
+    y = torch.randint(0, 50, (37,))
+    g_lp, g_ent = torch.randn(37), torch.randn(37)
+    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=chunk)
+    (lp @ g_lp + ent @ g_ent).backward()
+    got = (lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    ref_lp, ref_ent = token_logprobs((h @ w.T)[None], y[None], 0.7)
+    (ref_lp[0] @ g_lp + ref_ent[0] @ g_ent).backward()
+    torch.testing.assert_close(got[0], ref_lp[0].detach(), atol=VALUE_TOL, rtol=0)
+    torch.testing.assert_close(got[1], ref_ent[0].detach(), atol=VALUE_TOL, rtol=0)
+    torch.testing.assert_close(got[2], h.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    torch.testing.assert_close(got[3], w.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_micro_batches_group_lengths_and_cover_every_sequence():
+    batch = make_batch(comps(n=9), pad=0)
+    micros = length_micro_batches(batch, list(range(9)), 4)
+    assert sorted(i for m in micros for i in m) == list(range(9)) and [len(m) for m in micros] == [4, 4, 1]
+    lens = [len(batch.seqs[i]) for m in micros for i in m]
+    assert lens == sorted(lens, reverse=True)
+
+
+def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
+    """Values and the gradient of a PPO loss: micro-batches of 3 (each padded to its own longest, head in chunks
+    of 4 rows) against one padded full-logits forward over the whole batch."""
+    batch = make_batch(comps(), pad=0)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+    ref_lp, ref_ent = padded_reference(tiny, batch, 0.8)
+    loss, _ = policy_loss(ref_lp, ref_lp.detach(), adv, batch.mask, 0.2, 0.28, "token-mean")
+    loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in tiny.named_parameters()}
+    tiny.zero_grad(set_to_none=True)
+    total = float(batch.mask.sum())
+    for micro in length_micro_batches(batch, list(range(len(batch))), 3):
+        lp, ent = sequence_logprobs(tiny, batch, micro, 0.8, chunk=4)
+        torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
+        torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
+        m = batch.mask[micro]
+        part, _ = policy_loss(lp, lp.detach(), adv[micro], m, 0.2, 0.28, "token-mean")
+        (part * float(m.sum()) / total).backward()
+    for n, p in tiny.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_bf16_compute_keeps_fp32_master_and_refreshes_the_copy(tiny):
+    import copy
+
+    master = copy.deepcopy(tiny)
+    prec = Precision(master, "bfloat16")
+    assert prec.model.dtype == torch.bfloat16 and master.dtype == torch.float32
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-3)
+    batch = make_batch(comps(), pad=0)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(2))
+    before = {n: p.detach().clone() for n, p in master.named_parameters()}
+    algo = AlgoCfg(mini_batch_size=len(batch), micro_batch_size=3)
+    metrics, why = policy_update(prec, opt, None, batch, adv, algo, 1.0, random.Random(0), {})
+    assert why is None and metrics["perf/update_tokens_per_s"] > 0
+    assert all(p.grad is None for p in prec.model.parameters())  # moved into the master, then dropped
+    moved = [n for n, p in master.named_parameters() if not torch.equal(p, before[n])]
+    assert moved and all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in master.parameters())
+    for (n, p), c in zip(master.named_parameters(), prec.model.parameters()):
+        assert torch.equal(c, p.to(torch.bfloat16)), n
+    # trainer (bf16) vs "engine" logprobs: the mismatch metrics see them
+    assert 0 < metrics["rollout/logprob_diff"] <= metrics["rollout/logprob_diff_max"]
+
+
+def test_truncated_importance_weights_multiply_each_tokens_loss():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old, rollout = logp.detach(), torch.tensor([[-1.5, -1.0, -0.5]])
+    mask, adv = torch.ones(1, 3), torch.tensor([1.0])
+    w = torch.exp(old - rollout).clamp(max=1.2)
+    assert w.tolist()[0] == pytest.approx([1.2, 0.3679, 1.0], abs=1e-4)
+    loss, _ = policy_loss(logp, old, adv, mask, weights=w)
+    plain, _ = policy_loss(logp, old, adv, mask)
+    assert float(loss.detach()) == pytest.approx(float((-w).mean())) and float(plain.detach()) == pytest.approx(-1.0)
+    d = mismatch(old, rollout, mask)
+    assert d["rollout/logprob_diff"] == pytest.approx(0.5) and d["rollout/logprob_diff_max"] == pytest.approx(1.0)
