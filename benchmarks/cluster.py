@@ -5,6 +5,9 @@ very same tokens.
 
     .venv/bin/python benchmarks/cluster.py [--epochs 2] [--n 4] [--max-tokens 256]
     .venv/bin/python benchmarks/cluster.py --siblings      # acceptance added by group drafting across workers
+
+The arms share one pair of workers (this machine has 2 cores), each with its own length predictor (history of
+the epochs before). "Ray overhead" is the share of the wall time the busier worker spent outside engine steps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tailrl.cluster.config import ClusterConfig  # noqa: E402
 from tailrl.cluster.cost import StepCost  # noqa: E402
+from tailrl.cluster.placement import LengthPredictor  # noqa: E402
 from tailrl.cluster.rollout import ClusterRollout  # noqa: E402
 from tailrl.cluster.workers import WorkerSpec  # noqa: E402
 from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -91,7 +95,8 @@ def main():
         sibling_table(hist, prompts, 8, args.max_tokens)
         return
     engine = Engine(model, tok, ecfg)
-    arms = {name: ClusterRollout(spec, 2, cfg, COST) for name, cfg in arm_configs().items()}
+    cr = ClusterRollout(spec, 2, ClusterConfig(), COST)  # one pair of workers (2 CPUs); the arms switch its settings
+    predictors = {name: LengthPredictor(args.max_tokens / 2) for name in arm_configs()}  # each arm's own history
     rows, ref = [], None
     try:
         for epoch in range(args.epochs):
@@ -99,14 +104,15 @@ def main():
             base = engine.generate(prompts, params(epoch))
             rows.append((epoch, "1 engine x 2 threads (in process)", time.perf_counter() - t, None, base))
             ref = [c.token_ids for c in base]
-            for name, cr in arms.items():  # interleaved with the baseline, one epoch at a time
+            for name, cfg in arm_configs().items():  # interleaved with the baseline, one epoch at a time
+                cr.cfg, cr.predictor = cfg, predictors[name]
                 t = time.perf_counter()
                 out = cr.generate(prompts, params(epoch))
                 rows.append((epoch, f"2 Ray workers x 1 thread, {name}", time.perf_counter() - t, cr.metrics, out))
                 assert [c.token_ids for c in out] == ref, f"{name}: tokens differ from the single engine"
+                print(f"epoch {epoch} {name}: {rows[-1][2]:.1f} s", flush=True)
     finally:
-        for cr in arms.values():
-            cr.shutdown()
+        cr.shutdown()
     lens = sorted(len(c) for c in ref)
     print(f"\n{len(prompts)} prompts x n={args.n}, T=1.0, max {args.max_tokens} tokens, spec {args.spec}; response "
           f"lengths min {lens[0]} / median {lens[len(lens) // 2]} / max {lens[-1]}; all arms emit identical tokens\n")

@@ -55,7 +55,7 @@ class LocalPool:
 
 
 class RayPool:
-    def __init__(self, spec: WorkerSpec, n: int, address: str = ""):
+    def __init__(self, spec: WorkerSpec, n: int, address: str = "", start_timeout_s: float = 600.0):
         import ray
 
         start_ray(address)
@@ -63,7 +63,14 @@ class RayPool:
         self.gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
         self.handles = [spawn(spec, i, self.gpus) for i in range(n)]
         self.dead: set[int] = set()
-        ray.get([h.ping.remote() for h in self.handles])
+        ready, _ = ray.wait([h.ping.remote() for h in self.handles], num_returns=n, timeout=start_timeout_s)
+        if len(ready) < n:  # Ray holds actors until their resources are free: fail with the reason, not a hang
+            self.shutdown()
+            need = f"{self.gpus:g} GPU" if self.gpus else f"{spec.threads} CPU"
+            raise RuntimeError(f"only {len(ready)} of {n} rollout workers started within {start_timeout_s:.0f} s; each "
+                               f"needs {need} and Ray has {ray.available_resources()} free (lower rollout.workers or "
+                               "rollout.worker_threads)")
+        ray.get(ready)
 
     def __len__(self) -> int:
         return len(self.handles)

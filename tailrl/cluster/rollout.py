@@ -42,7 +42,8 @@ class ClusterRollout:
         """local: in-process workers (no Ray); otherwise `workers` Ray actors."""
         self.cfg = cfg or ClusterConfig()
         self.spec, self.cost = spec, cost or StepCost()
-        self.pool = LocalPool(spec, workers) if local else RayPool(spec, workers, self.cfg.address)
+        self.pool = (LocalPool(spec, workers) if local
+                     else RayPool(spec, workers, self.cfg.address, start_timeout_s=self.cfg.step_timeout_s))
         self.predictor = LengthPredictor(prior_length)
         self.rng = random.Random(seed)
         self.weights = self.idle_state = None  # the last synced weights (object store refs): restarts load them
