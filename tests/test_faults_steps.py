@@ -49,9 +49,9 @@ def test_non_finite_loss_skips_the_update_and_stops_the_run(tiny_chat, task_file
 def test_a_prompt_rejected_mid_step_leaves_the_step_with_a_metric(tiny_chat, tmp_path):
     long_prompt = {"prompt": " ".join(["a"] * 150), "answer": "1"}  # fits max_prompt_tokens, not the KV budget
     data = write_task(tmp_path / "d.jsonl", n=3, extra_rows=[long_prompt])
-    kv_gb = 100 * 768 / 2**30  # 100 tokens of this tiny model's KV cache
+    kv_gb = 100 * 768 / 2**30  # 100 tokens of this tiny model's KV cache in fp32 (model.dtype pinned to it)
     cfg = small_cfg(tiny_chat, data, tmp_path / "run", *BUILTIN_REWARD, "trainer.steps=1", "data.num_eval=0",
-                    "trainer.prompts_per_step=4", f"rollout.kv_cache_gb={kv_gb}")
+                    "trainer.prompts_per_step=4", f"rollout.kv_cache_gb={kv_gb}", "model.dtype=float32")
     rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["rollout/rejected"] == 1
     assert len(rows[-1]["response_lengths"]) == 3 * 4 and "actor/pg_loss" in rows[-1]
