@@ -76,6 +76,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--spec", default="off")
     ap.add_argument("--siblings", action="store_true", help="only the sibling-drafting table (spec history)")
+    ap.add_argument("--groups", type=int, default=8, help="--siblings: how many of the prompts")
     args = ap.parse_args()
     from tailrl.spec.config import SpecConfig
 
@@ -92,7 +93,7 @@ def main():
     if args.siblings:
         hist = WorkerSpec(model="smollm2-135m", threads=1,
                           engine=EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history")))
-        sibling_table(hist, prompts, 8, args.max_tokens)
+        sibling_table(hist, prompts[: args.groups], 8, args.max_tokens)
         return
     engine = Engine(model, tok, ecfg)
     cr = ClusterRollout(spec, 2, ClusterConfig(), COST)  # one pair of workers (2 CPUs); the arms switch its settings
