@@ -53,6 +53,7 @@ class RolloutCfg:
     top_k: int = 0
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
+    cuda_graphs: bool = True  # decode/verify replayed from CUDA graphs per bucket where the engine runs on CUDA
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
     workers: int = 1  # 1: the in-process engine; N > 1: N Ray rollout workers (see the cluster section)
     worker_threads: int = 1  # CPU threads per rollout worker (a worker takes one GPU where there are GPUs)

@@ -17,6 +17,9 @@ class EngineConfig:
     tail_batch: int = 4  # the long tail (for stats): at most max(tail_batch, tail_frac x requests) sequences running
     tail_frac: float = 0.3
     capture_hidden: bool = False  # keep the target's last hidden states per token (drafter training data)
+    cuda_graphs: bool = True  # replay decode/verify passes from CUDA graphs per bucket (only where the model is on CUDA)
+    cuda_graph_mem_gb: float = 4.0  # device memory the graphs may take; buckets captured past it run eagerly
+    pad_to_buckets: bool = False  # pad decode/verify passes to buckets without graphs too (eager; for tests)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
     def __post_init__(self):
@@ -28,5 +31,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if not self.cuda_graph_mem_gb >= 0:
+            raise ValueError(f"cuda_graph_mem_gb={self.cuda_graph_mem_gb} must be >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")

@@ -46,7 +46,8 @@ class Engine:
         self.speculator = speculator if speculator is not None or cfg.spec.mode == "off" else Speculator(cfg.spec)
         capture = cfg.capture_hidden or (self.speculator is not None and self.speculator.needs_hidden)
         budget = int(cfg.kv_cache_gb * 2**30) if cfg.kv_cache_gb else None
-        self.runner = ModelRunner(model, budget, cfg.max_num_seqs, self.max_model_len, capture)
+        self.runner = ModelRunner(model, budget, cfg.max_num_seqs, self.max_model_len, capture, cfg.cuda_graphs,
+                                  int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets)
         if self.speculator is not None:
             self.speculator.attach(self.runner.kv)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens)

@@ -1,7 +1,8 @@
 """KV cache in slots: one slot per running sequence, [slots, kv_heads, capacity, head_dim] per layer.
 
 The storage is allocated once for its layout (slots x capacity within the memory budget) and never moves while
-sequences run, so a captured graph could keep its addresses. Running sequences occupy slots 0..B-1 so attention
+sequences run, so a captured CUDA graph keeps its addresses; `generation` counts re-layouts, and a graph captured
+under another generation must not replay (engine/graphs.py clears its pool). Running sequences occupy slots 0..B-1 so attention
 reads a view, not a gather; a finished sequence's slot is filled by moving the last one in. Memory is touched
 lazily: positions past the highest one ever read are zeroed only when reads reach them (uninitialised memory
 could hold NaN, and a masked key still multiplies its value by 0)."""
@@ -23,6 +24,7 @@ class KVCache:
         self.slots = 0
         self.capacity = 0
         self.zeroed = 0  # positions 0..zeroed-1 of every slot hold written or zeroed values
+        self.generation = 0  # bumped by every re-allocation: storage addresses are stable within one generation
         self.mirrors: list[tuple[KVCache, int]] = []  # caches in the same slots (a draft head's), with extra capacity
 
     def mirror(self, cfg: ModelConfig, extra: int, dtype=None) -> KVCache:
@@ -47,6 +49,7 @@ class KVCache:
                 for _ in range(self.cfg.num_hidden_layers):
                     store.append(torch.empty(shape, device=self.device, dtype=self.dtype))
             self.slots, self.capacity, self.zeroed = slots, capacity, 0
+            self.generation += 1
         for m, extra in self.mirrors:
             m.layout(slots, capacity + extra)
 

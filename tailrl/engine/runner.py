@@ -4,7 +4,12 @@ the forward. It keeps only the accepted path of each verified tree in the cache.
 It is the one place that knows about devices and buffers: the scheduler hands it slots and token lists, the
 engine hands it draft trees, and what comes back is logits (and the last layer's hidden states when they are
 captured for the learned drafter). Inputs are built with tensor operations (model/step.py); the per-sequence
-Python work is list concatenation only."""
+Python work is list concatenation only.
+
+Decode and verify passes are padded to buckets (engine/buckets.py) when CUDA graphs run them (engine/graphs.py;
+on CUDA by default) or when `pad` asks for it without graphs (the CPU tests of padding); prefill and passes
+past the largest bucket always run eagerly, unpadded. On CUDA each forward ends with a synchronize, so the
+forward times the selector's cost model learns from are the device's, not the launch queue's."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import torch
 from ..model.llama import CausalLM
 from ..model.step import make_step
 from ..spec.tree import DraftTree
+from .buckets import Bucket, StaticBatch, forward_padded, pick_bucket
+from .graphs import GraphPool
 from .kv_cache import KVCache
 
 ALIGN = 16  # cache capacity is rounded up to this many positions
@@ -31,7 +38,10 @@ def default_kv_budget(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, budget_bytes: int | None, max_num_seqs: int, max_model_len: int,
-                 capture_hidden: bool = False):
+                 capture_hidden: bool = False, cuda_graphs: bool = False, graph_budget_bytes: int = 0,
+                 pad: bool = False):
+        """cuda_graphs: replay decode/verify passes from a GraphPool (only where the model is on CUDA).
+        pad: pad decode/verify passes to buckets even without graphs (eagerly)."""
         self.model = model
         self.device = model.device
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -40,6 +50,10 @@ class ModelRunner:
         self.capture = capture_hidden
         self.hidden_layers = (model.config.num_hidden_layers,) if capture_hidden else ()
         self.last_forward_s = 0.0
+        on_cuda = self.device.type == "cuda"
+        self.graphs = GraphPool(self.device, graph_budget_bytes) if cuda_graphs and on_cuda else None
+        self.pad = pad
+        self.batches: dict[tuple[int, int], StaticBatch] = {}  # (seqs, tokens) -> its static buffers
 
     # ---- the cache layout ---------------------------------------------------------------------------------
 
@@ -75,10 +89,15 @@ class ModelRunner:
 
     # ---- forwards -----------------------------------------------------------------------------------------
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _forward(self, ids: list[int], step, logits_idx=None):
         t = time.perf_counter()
         logits, hidden = self.model(torch.tensor(ids, device=self.device), step, self.kv, logits_idx=logits_idx,
                                     hidden_layers=self.hidden_layers)
+        self._sync()
         self.last_forward_s = time.perf_counter() - t
         return logits, (hidden[self.hidden_layers[0]] if self.capture else None)
 
@@ -93,14 +112,21 @@ class ModelRunner:
 
     def decode(self, roots: list[int], cache_lens: list[int], trees: list[DraftTree | None] | None):
         """One pass over running slots 0..B-1: each sequence's last emitted token (the root) and its draft tree's
-        nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None)."""
+        nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None), the same whether the
+        pass ran padded (graph or eager) or not."""
         B = len(roots)
-        if not trees or not any(trees):
-            q_lens = [1] * B
-            self.kv.ensure(B, max(cache_lens) + 1)
+        trees = trees if trees and any(trees) else None
+        q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
+        max_k = max(c + q for c, q in zip(cache_lens, q_lens))
+        bucket = self._bucket(B, max(q_lens), max_k)
+        if bucket is not None:
+            out = self._decode_padded(bucket, roots, trees, cache_lens)
+            if out is not None:
+                return out[0], out[1], q_lens, out[2]
+        self.kv.ensure(B, max_k)
+        if trees is None:
             logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device))
             return logits, hidden, q_lens, None
-        q_lens = [1 + len(t) if t else 1 for t in trees]
         max_q = max(q_lens)
         ids, parents = [], []
         for r, t in zip(roots, trees):
@@ -110,11 +136,40 @@ class ModelRunner:
                 ids.extend(t.tokens)
                 row.extend(p + 1 for p in t.parents)
             parents.append(row + list(range(len(row), max_q)))  # root and padded rows point to themselves
-        self.kv.ensure(B, max(c + q for c, q in zip(cache_lens, q_lens)))
         step = make_step(cache_lens, q_lens, list(range(B)), self.device,
                          tree_parents=torch.tensor(parents, device=self.device))
         logits, hidden = self._forward(ids, step)
         return logits, hidden, q_lens, step.depths
+
+    def _bucket(self, B: int, max_q: int, max_k: int) -> Bucket | None:
+        if self.graphs is None and not self.pad:
+            return None
+        if max_k >= self.kv.capacity:  # scratch = capacity - 1 must lie past every real token
+            raise RuntimeError(f"a pass reaching key {max_k} leaves no scratch position in a cache of capacity "
+                               f"{self.kv.capacity}: reserved_len must bound cache_len + tokens in the pass")
+        return pick_bucket(B, max_q, max_k, self.kv.slots, self.kv.capacity)
+
+    def _decode_padded(self, bucket: Bucket, roots, trees, cache_lens):
+        """Runs the pass on its bucket's grid (a graph replay, or eagerly); returns the real rows' (logits, hidden,
+        depths), or None when the graph pool declines and padding was not asked for."""
+        t = time.perf_counter()
+        key = (bucket.seqs, bucket.tokens)
+        batch = self.batches.get(key)
+        if batch is None:
+            batch = self.batches[key] = StaticBatch(bucket.seqs, bucket.tokens, self.device)
+        self.kv.ensure(bucket.seqs, bucket.keys)
+        rows = batch.fill(roots, trees, cache_lens)
+
+        def fn():
+            return forward_padded(self.model, self.kv, batch, bucket.keys, self.hidden_layers)
+
+        out = self.graphs.run(bucket, batch, fn, self.kv.generation) if self.graphs is not None else None
+        if out is None and not self.pad:
+            return None
+        out = [None if o is None else o[rows] for o in (out if out is not None else fn())]
+        self._sync()
+        self.last_forward_s = time.perf_counter() - t
+        return out
 
     def keep_accepted(self, cache_lens: list[int], accepted: list[list[int]]) -> None:
         """Moves each sequence's accepted tree nodes (node i sits at cache_len + 1 + i) to the positions right

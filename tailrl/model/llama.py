@@ -87,30 +87,43 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
-        T = x.shape[0]
+        """Writes the new tokens' K/V at (token_slot, token_pos), then attends: a causal step (whole prompts from
+        position 0) over the new tokens with the causal kernel, any other over the cache under step.mask."""
         q, k, v = self._qkv(x, cos, sin)  # [T, heads, D]
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [slots, n_kv, capacity, D]
         k_cache[step.token_slot, :, step.token_pos] = k
         v_cache[step.token_slot, :, step.token_pos] = v
-        if step.slot_range is not None:
-            s0, s1 = step.slot_range
-            keys, vals = k_cache[s0:s1, :, : step.max_k], v_cache[s0:s1, :, : step.max_k]
+        if step.causal:
+            o = self._attend(q, k, v, step)
         else:
-            keys, vals = k_cache[step.slots, :, : step.max_k], v_cache[step.slots, :, : step.max_k]
+            if step.slot_range is not None:
+                s0, s1 = step.slot_range
+                keys, vals = k_cache[s0:s1, :, : step.max_k], v_cache[s0:s1, :, : step.max_k]
+            else:
+                keys, vals = k_cache[step.slots, :, : step.max_k], v_cache[step.slots, :, : step.max_k]
+            o = self._attend(q, keys, vals, step)
+        return self.o_proj(o)
+
+    def _pad(self, t: torch.Tensor, step: StepMeta) -> torch.Tensor:
+        """[T, heads, D] packed -> [B, heads, max_q, D] (right-padded with zeros per sequence)."""
         B, Q = step.num_seqs, step.max_q
-        if step.pad_idx is None:
-            qp = q.view(B, Q, self.n_heads, self.head_dim)
-        else:
-            qp = q.new_zeros(B * Q, self.n_heads, self.head_dim)
-            qp[step.pad_idx] = q
-            qp = qp.view(B, Q, self.n_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, vals, attn_mask=step.mask, enable_gqa=self.n_kv != self.n_heads
-        )
-        o = o.transpose(1, 2).reshape(B * Q, self.n_heads * self.head_dim)
         if step.pad_idx is not None:
-            o = o[step.pad_idx]
-        return self.o_proj(o.view(T, -1))
+            padded = t.new_zeros(B * Q, *t.shape[1:])
+            padded[step.pad_idx] = t
+            t = padded
+        return t.view(B, Q, *t.shape[1:]).transpose(1, 2)
+
+    def _attend(self, q, keys, vals, step: StepMeta) -> torch.Tensor:
+        """keys/vals [B, n_kv, K, D] from the cache, or for a causal step the packed new tokens [T, n_kv, D] (padded
+        here like the queries: right padding is harmless under a causal mask). Returns [T, heads * D]."""
+        gqa = self.n_kv != self.n_heads
+        if step.causal:
+            keys, vals = self._pad(keys, step), self._pad(vals, step)
+            o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, is_causal=True, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, attn_mask=step.mask, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(step.num_seqs * step.max_q, self.n_heads * self.head_dim)
+        return o if step.pad_idx is None else o[step.pad_idx]
 
     def forward_full(self, x, cos, sin, attn_mask=None) -> torch.Tensor:
         B, L, _ = x.shape

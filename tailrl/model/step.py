@@ -2,7 +2,12 @@
 and which cached or new tokens every query may see (causal, or an arbitrary draft-tree mask).
 
 Everything is built with tensor operations on the target device, with no Python loop over sequences or tree
-nodes: a tree is given as each row's parent row, and its ancestor mask comes from pointer doubling."""
+nodes: a tree is given as each row's parent row, and its ancestor mask comes from pointer doubling.
+
+Two builders: `make_step` packs exactly the given tokens (prefill, and decode without buckets); a pass of whole
+prompts from cache position 0 gets no mask at all (`causal`: the attention runs the causal kernel over the new
+tokens). `make_padded_step` lays a decode/verify pass out on a fixed [seqs, tokens] grid from device tensors
+alone, with no host sync, so a CUDA graph can capture it (engine/graphs.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ class StepMeta:
     max_q: int
     max_k: int
     pad_idx: torch.Tensor | None  # [T] index of each packed token in the padded [B * max_q] layout; None if uniform
-    mask: torch.Tensor  # [B, 1, max_q, max_k] bool, True = may attend
+    mask: torch.Tensor | None  # [B, 1, max_q, max_k] bool, True = may attend; None when causal
     depths: torch.Tensor | None = None  # [T] depth of each new token in its tree (root 0), when trees were given
+    causal: bool = False  # every sequence starts at cache position 0 with no tree: causal among the new tokens only
 
     @property
     def num_seqs(self) -> int:
@@ -33,15 +39,25 @@ class StepMeta:
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     """parents [B, Q]: the row index of each row's parent within its sequence (a root or a padded row points
-    to itself). Returns [B, Q, Q] bool: [b, i, j] = row j is row i or one of its ancestors."""
+    to itself). Returns [B, Q, Q] bool: [b, i, j] = row j is row i or one of its ancestors. Fixed-shape ops
+    only (no one_hot, whose range check syncs with the host on CUDA)."""
     B, Q = parents.shape
-    eye = torch.eye(Q, dtype=torch.bool, device=parents.device).expand(B, Q, Q)
-    anc = eye | torch.nn.functional.one_hot(parents, Q).bool()
+    cols = torch.arange(Q, device=parents.device)
+    anc = (cols.view(1, Q, 1) == cols.view(1, 1, Q)) | (parents.unsqueeze(-1) == cols.view(1, 1, Q))
     jump = parents
     for _ in range(max(math.ceil(math.log2(max(Q, 2))), 1)):
         anc = anc | anc.gather(1, jump.unsqueeze(-1).expand(B, Q, Q))
         jump = jump.gather(1, jump)
     return anc
+
+
+def _tree_keys(anc: torch.Tensor, cache_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """anc [B, Q, Q] over the new rows, placed at key columns cache_len .. cache_len + Q - 1: [B, Q, num_keys]."""
+    B, Q, _ = anc.shape
+    wide = torch.zeros(B, Q, num_keys + Q, dtype=torch.bool, device=anc.device)
+    cols = cache_lens.view(B, 1, 1) + torch.arange(Q, device=anc.device).view(1, 1, Q)
+    wide.scatter_(2, cols.expand(B, Q, Q), anc)
+    return wide[:, :, :num_keys]
 
 
 def make_step(
@@ -52,11 +68,14 @@ def make_step(
     positions: torch.Tensor | None = None,
     tree_masks: list[torch.Tensor | None] | None = None,
     tree_parents: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> StepMeta:
     """Sequence b already holds cache_lens[b] tokens in cache slot slots[b] and adds q_lens[b] new tokens,
     written at cache indices cache_lens[b] .. cache_lens[b] + q_lens[b] - 1. Without a tree the new tokens are
     causal among themselves. A tree is either tree_parents [B, max_q] (see tree_ancestors; positions then
-    become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j)."""
+    become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j).
+    When every cache_len is 0 and there is no tree, the step is `causal` and carries no mask (causal=False
+    builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu.py)."""
     dev = torch.device(device)
     B = len(q_lens)
     cl = torch.tensor(cache_lens, dtype=torch.long, device=dev)
@@ -68,42 +87,77 @@ def make_step(
     token_pos = cl[seq_of_token] + offset
     uniform = all(q == max_q for q in q_lens)
     pad_idx = None if uniform else seq_of_token * max_q + offset
+    contiguous = all(slots[k] == slots[0] + k for k in range(B))
+    st = torch.tensor(slots, dtype=torch.long, device=dev)
+    meta = dict(token_slot=st[seq_of_token], token_pos=token_pos, slots=st,
+                slot_range=(slots[0], slots[0] + B) if contiguous else None, q_lens=list(q_lens), max_q=max_q,
+                max_k=max_k, pad_idx=pad_idx)
+    is_tree = tree_parents is not None or tree_masks is not None
+    if causal and not is_tree and not any(cache_lens):
+        return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=None, causal=True,
+                        **meta)
 
     i = torch.arange(max_q, device=dev).view(1, max_q, 1)
-    j = torch.arange(max_k + max_q, device=dev).view(1, 1, max_k + max_q)
+    j = torch.arange(max_k, device=dev).view(1, 1, max_k)
     c = cl.view(B, 1, 1)
     rel = j - c
     new = (rel >= 0) & (rel < ql.view(B, 1, 1))
     depths = None
     if tree_parents is not None:
         anc = tree_ancestors(tree_parents.to(dev))  # [B, max_q, max_q]
-        wide = torch.zeros(B, max_q, max_k + max_q, dtype=torch.bool, device=dev)
-        wide.scatter_(2, (c + torch.arange(max_q, device=dev).view(1, 1, max_q)).expand(B, max_q, max_q), anc)
-        mask = (j < c) | (new & wide)
+        mask = (j < c) | (new & _tree_keys(anc, cl, max_k))
         depths = (anc.sum(-1) - 1).reshape(-1)
         depths = depths if pad_idx is None else depths[pad_idx]
         positions = cl[seq_of_token] + depths
     else:
         mask = (j < c) | (new & (rel <= i))
-    mask = mask[:, :, :max_k]
     if tree_masks is not None:
         for b, tm in enumerate(tree_masks):
             if tm is not None:
                 q = q_lens[b]
                 mask[b, :q, cache_lens[b] : cache_lens[b] + q] = tm.to(device=dev, dtype=torch.bool)
-    mask |= (i >= ql.view(B, 1, 1)) & (j[:, :, :max_k] == 0)  # padded query rows see one key: softmax stays finite
-    contiguous = all(slots[k] == slots[0] + k for k in range(B))
-    st = torch.tensor(slots, dtype=torch.long, device=dev)
+    mask |= (i >= ql.view(B, 1, 1)) & (j == 0)  # padded query rows see one key: softmax stays finite
+    return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=mask.unsqueeze(1),
+                    depths=depths, **meta)
+
+
+def make_padded_step(cache_lens: torch.Tensor, q_lens: torch.Tensor, parents: torch.Tensor | None, num_keys: int,
+                     scratch: int) -> StepMeta:
+    """A decode/verify pass on a fixed grid: sequence b (slot b, b < len(cache_lens)) owns rows b*Q .. b*Q + Q - 1,
+    of which the first q_lens[b] are real (q_lens[b] = 0: a padded sequence in a free slot). parents [B, Q] as
+    in tree_ancestors (None: Q = 1, plain decode). Keys are positions 0 .. num_keys - 1 of slots 0 .. B - 1.
+
+    Invariants the caller keeps (ModelRunner asserts them): cache_len + q_len <= num_keys for every real sequence,
+    and `scratch` (the last cache position) lies past every real token, cache_len + q_len <= scratch. A padded row
+    writes its K/V to `scratch` of its slot and sees key 0 only, so no real query reads what padding wrote and
+    every real row's K/V, logits and hidden state equal the unpadded pass's. Built from device tensors with
+    fixed-shape ops only: nothing syncs with the host, so the step can be captured in a CUDA graph."""
+    B = cache_lens.shape[0]
+    Q = 1 if parents is None else parents.shape[1]
+    dev = cache_lens.device
+    rows = torch.arange(Q, device=dev)
+    real = rows.view(1, Q) < q_lens.view(B, 1)  # [B, Q]
+    if parents is None:
+        anc = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)
+        depths = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    else:
+        anc = tree_ancestors(parents)
+        depths = anc.sum(-1) - 1
+    c = cache_lens.view(B, 1)
+    j = torch.arange(num_keys, device=dev).view(1, 1, num_keys)
+    sees = (j < c.unsqueeze(-1)) | _tree_keys(anc, cache_lens, num_keys)
+    mask = torch.where(real.unsqueeze(-1), sees, j == 0)
+    flat_real = real.reshape(-1)
     return StepMeta(
-        positions=token_pos if positions is None else positions.to(dev),
-        token_slot=st[seq_of_token],
-        token_pos=token_pos,
-        slots=st,
-        slot_range=(slots[0], slots[0] + B) if contiguous else None,
-        q_lens=list(q_lens),
-        max_q=max_q,
-        max_k=max_k,
-        pad_idx=pad_idx,
+        positions=torch.where(real, c + depths, 0).reshape(-1),
+        token_slot=torch.arange(B, device=dev).view(B, 1).expand(B, Q).reshape(-1),
+        token_pos=torch.where(flat_real, (c + rows.view(1, Q)).reshape(-1), scratch),
+        slots=torch.arange(B, device=dev),
+        slot_range=(0, B),
+        q_lens=[Q] * B,
+        max_q=Q,
+        max_k=num_keys,
+        pad_idx=None,
         mask=mask.unsqueeze(1),
-        depths=depths,
+        depths=None if parents is None else depths.reshape(-1),
     )
