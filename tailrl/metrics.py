@@ -108,7 +108,8 @@ class LiveView:
             return m.get(k, float("nan"))
 
         line = (f"step {step}: reward {g('reward/mean'):.3f} acc {g('acc/mean'):.2f} len {g('response_length/mean'):.0f} "
-                f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s accept {g('spec/accept_length'):.2f}")
+                f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s ({g('perf/update_tokens_per_s'):.0f} tok/s) "
+                f"accept {g('spec/accept_length'):.2f}")
         if "eval/accuracy" in m:
             line += f" eval acc {m['eval/accuracy']:.2f}"
         if m.get("train/skipped_steps"):
