@@ -272,7 +272,7 @@ def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
     from tailrl.rl.run import train
     from tailrl.rl.trainer import Trainer
     from tests.conftest import make_tiny_chat_model
-    from tests.test_trainer import tiny_cfg
+    from tests.rl_helpers import tiny_cfg
 
     model_dir = str(make_tiny_chat_model(tmp_path / "m"))
     data = tmp_path / "train.jsonl"
