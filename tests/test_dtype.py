@@ -2,11 +2,12 @@
 importance sampling, and samples.jsonl with its place in the report."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-import tailrl.model.load as load
+from tailrl.model import load
 from tailrl.model.load import resolve_dtype
 from tailrl.report import make_report
 from tailrl.rl.run import train
@@ -38,7 +39,7 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
 
 def test_cpu_bf16_check_agrees_with_cpuinfo():
     try:
-        flags = open("/proc/cpuinfo").read().split()
+        flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         pytest.skip("no /proc/cpuinfo")
     assert load.cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags or "amx_tile" in flags)
