@@ -110,7 +110,7 @@ def test_a_hung_worker_times_out_and_is_replaced():
     prompts = [[40, 1, 2], [3, 5], [60, 9], [4, 4, 4]]
     p = [SamplingParams(n=4, max_tokens=48, seed=100 * i) for i in range(4)]
     spec = WorkerSpec(factory="tests.cluster_fakes:build_fake", options={"max_num_seqs": 4, "hang": 1, "hang_at": 3})
-    cr = ClusterRollout(spec, 2, ClusterConfig(round_steps=1, step_timeout_s=3.0), CPU)
+    cr = ClusterRollout(spec, 2, ClusterConfig(round_steps=1, step_timeout_s=10.0), CPU)
     try:
         out = cr.generate(prompts, p)
         assert [(c.token_ids, c.logprobs, c.finish_reason) for c in out] == fake_rollout(prompts, p)

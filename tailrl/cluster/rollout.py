@@ -43,7 +43,7 @@ class ClusterRollout:
         self.cfg = cfg or ClusterConfig()
         self.spec, self.cost = spec, cost or StepCost()
         self.pool = (LocalPool(spec, workers) if local
-                     else RayPool(spec, workers, self.cfg.address, start_timeout_s=self.cfg.step_timeout_s))
+                     else RayPool(spec, workers, self.cfg.address, start_timeout_s=max(self.cfg.step_timeout_s, 300.0)))
         self.predictor = LengthPredictor(prior_length)
         self.rng = random.Random(seed)
         self.weights = self.idle_state = None  # the last synced weights (object store refs): restarts load them
