@@ -4,8 +4,8 @@ migration, each without and with speculation in the tail. Prints makespan, idle 
 The per-step cost model (tailrl.cluster.cost.StepCost) is measured here on SmolLM2-135M (`--measure`, which also
 runs a single-worker rollout and prints the simulator's prediction for it) or passed as `--cost base,tok,attn`.
 
-    .venv/bin/python benchmarks/cluster_sim.py --measure            # calibrate, check 1 worker, print the table
-    .venv/bin/python benchmarks/cluster_sim.py --cost 0.03,0.0035,0  # table only
+    .venv/bin/python benchmarks/cluster_sim.py --measure    # calibrate, check 1 worker, print the table
+    .venv/bin/python benchmarks/cluster_sim.py              # the table with the cost model measured last time
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tailrl.cluster.cost import StepCost  # noqa: E402
 from tailrl.cluster.migrate import Candidate, plan_moves  # noqa: E402
 from tailrl.cluster.placement import Unit, place, static_split  # noqa: E402
+
+
+# SmolLM2-135M fp32, 1 thread, fitted by `benchmarks/cluster_calib.py` (the table in benchmarks/RESULTS.md)
+MEASURED = "0.05157,0.007852,0.0000045966,0.0269,0.004325"
 
 
 @dataclass
@@ -231,10 +235,11 @@ def table(cost: StepCost, workers_list, groups_per_worker: int, n: int, cap: int
                 res[(name, sd is not None)] = simulate(static if name == "static" else histo, cost, max_seqs, cap, sd, mig)
         s0 = res[("static", False)]["makespan"]
         m = {k: v["makespan"] for k, v in res.items()}
-        rows.append(f"| {W} | {W * groups_per_worker * n} | {m[('static', False)]:.1f} | {m[('histo', False)]:.1f} | "
-                    f"{m[('mig', False)]:.1f} | {m[('static', True)]:.1f} | {m[('histo', True)]:.1f} | {m[('mig', True)]:.1f} | "
-                    f"{res[('static', False)]['idle']:.2f} / {res[('mig', True)]['idle']:.2f} | {res[('mig', False)]['migrated']} | "
-                    f"{s0 / m[('histo', False)]:.2f}x | {s0 / m[('mig', False)]:.2f}x | {s0 / m[('mig', True)]:.2f}x |")
+        idle = f"{res[('static', False)]['idle']:.2f} / {res[('mig', True)]['idle']:.2f}"
+        cells = [W, W * groups_per_worker * n] + [f"{m[(a, sd)]:.1f}" for sd in (False, True) for a in ("static", "histo", "mig")]
+        cells += [idle, res[("mig", False)]["migrated"]]
+        cells += [f"{s0 / m[(a, sd)]:.2f}x" for a, sd in (("histo", False), ("mig", False), ("mig", True))]
+        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
         print(rows[-1], flush=True)
     return rows
 
@@ -242,13 +247,13 @@ def table(cost: StepCost, workers_list, groups_per_worker: int, n: int, cap: int
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--measure", action="store_true", help="measure the cost model and a 1-worker rollout on SmolLM2")
-    ap.add_argument("--cost", default="", help="base_s,per_token_s,per_attn_s[,prefill_base_s,prefill_token_s]")
+    ap.add_argument("--cost", default=MEASURED, help="base_s,per_token_s,per_attn_s,prefill_base_s,prefill_token_s")
     ap.add_argument("--workers", default="8,16,64,256,1024")
-    ap.add_argument("--groups-per-worker", type=int, default=4)
+    ap.add_argument("--groups-per-worker", type=int, default=8)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--cap", type=int, default=8192)
     ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--max-seqs", type=int, default=32, help="sequences a worker runs at once (KV-bound)")
     ap.add_argument("--alpha", type=float, default=0.7, help="per-token acceptance of history drafts")
     ap.add_argument("--runs", default="", help="a metrics.jsonl whose response_lengths give the distribution")
     ap.add_argument("--seed", type=int, default=0)
@@ -257,10 +262,8 @@ def main():
         from cluster_calib import calibrate  # benchmarks/cluster_calib.py
 
         cost = calibrate()
-    elif args.cost:
-        cost = StepCost(*(float(x) for x in args.cost.split(",")))
     else:
-        cost = StepCost()
+        cost = StepCost(*(float(x) for x in args.cost.split(",")))
     print(f"cost model: {cost.to_dict()}")
     spec = Spec(args.alpha)
     print(f"\nheavy-tailed lengths (lognormal, median 1000, cap {args.cap}), {args.groups_per_worker} groups x "
