@@ -5,6 +5,7 @@ Reports tokens/s overall and in the long tail (<= 4 running sequences), per batc
 length per drafter, the selector's choices per batch size, and the history drafter's proposal cost.
 
     .venv/bin/python benchmarks/spec_rollout.py [--epochs 3] [--n 4] [--max-tokens 256] [--temperatures 1.0 0.7]
+    .venv/bin/python benchmarks/spec_rollout.py --device cuda   # bf16 on the GPU, CUDA graphs on (issue 11)
 """
 
 from __future__ import annotations
@@ -121,10 +122,13 @@ def main():
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    model, tok = load_model("smollm2-135m", device="cpu")
-    print("SmolLM2-135M fp32, CPU; SD auto vs off on the same prompts and settings, interleaved per epoch")
+    model, tok = load_model("smollm2-135m", device=args.device)  # bf16 on CUDA, fp32 on CPU
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
+    print(f"SmolLM2-135M {str(model.dtype).removeprefix('torch.')}, {where}; SD auto vs off on the same prompts "
+          "and settings, interleaved per epoch")
     for temp in args.temperatures:
         report(args, temp, run(args, temp, model, tok))
 
