@@ -95,3 +95,16 @@ def tiny_peaked(tmp_path_factory):
     hf.save_pretrained(folder)
     model, _ = load_model(str(folder), device="cpu")
     return model
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    """A tiny chat model (24-word tokenizer) in a folder, for training tests."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory):
+    from tests.rl_helpers import write_task
+
+    return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")

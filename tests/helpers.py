@@ -6,7 +6,7 @@ import torch
 
 from tailrl.engine import SamplingParams
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
-from tailrl.spec.noise import uniform
+from tailrl.spec.noise import gumbel, row_keys
 
 CHATS = [
     [{"role": "user", "content": "List the first ten prime numbers."}],
@@ -24,22 +24,19 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def assert_same_or_tie(model, ref, out, params: SamplingParams, tol: float) -> None:
-    """out equals ref, or first differs where the decision was a tie within tol: for greedy, the two best logits;
-    for sampling, the position's keyed uniform within tol of a boundary of the warped distribution's CDF."""
+    """out equals ref, or first differs where the two best (noise-perturbed, if sampling) scores tie within tol."""
     i = first_difference(ref.token_ids, out.token_ids)
     if i is None:
         return
     ids = torch.tensor(ref.prompt_token_ids + ref.token_ids[:i])
     with torch.no_grad():
         logits = model.forward_full(ids[None])[0][0, -1:]
-    if params.greedy:
-        top2 = torch.topk(logits[0].double(), 2).values
-        assert float(top2[0] - top2[1]) < tol, f"token {i} differs without a tie"
-        return
-    lp = warped_logprobs(logits, *warp_tensors([params], "cpu"))[0]
-    cdf = lp.double().exp().cumsum(0)
-    x = uniform(params.seed + ref.sample_index, i) * float(cdf[-1])
-    assert float((cdf - x).abs().min()) < tol, f"token {i} differs without a tie"
+    scores = logits[0].double()
+    if not params.greedy:
+        lp = warped_logprobs(logits, *warp_tensors([params], "cpu"))[0]
+        scores = lp.double() + gumbel(row_keys([params.seed + ref.sample_index], [i]), lp.shape[-1])[0].double()
+    top2 = torch.topk(scores, 2).values
+    assert float(top2[0] - top2[1]) < tol, f"token {i} differs without a tie"
 
 
 def exact_joint(model, prompt: list[int], params: SamplingParams, D: int, V: int = 4) -> dict:

@@ -12,18 +12,7 @@ from tailrl.model.load import resolve_dtype
 from tailrl.report import make_report
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tests.conftest import make_tiny_chat_model
-from tests.rl_helpers import small_cfg, write_task
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
-
-
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory):
-    return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")
+from tests.rl_helpers import small_cfg
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):

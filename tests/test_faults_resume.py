@@ -4,25 +4,13 @@ applied, a cut-off metrics line survived (issue 12, class 4)."""
 import json
 import logging
 
-import pytest
 
 from tailrl.report import make_report
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tests.conftest import make_tiny_chat_model
-from tests.rl_helpers import small_cfg, write_task
+from tests.rl_helpers import small_cfg
 
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
-
-
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory):
-    return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def test_resume_falls_back_past_corrupt_files_and_lists_config_changes(tiny_chat, task_file, tmp_path, capsys, caplog):

@@ -19,21 +19,10 @@ from tailrl.rl.checkpoint import CheckpointError
 from tailrl.rl.run import train
 from tailrl.rl.run_dir import RunDirError
 from tailrl.rl.trainer import Trainer
-from tests.conftest import make_tiny_chat_model
-from tests.rl_helpers import small_cfg, write_task
+from tests.rl_helpers import small_cfg
 
 ROOT = str(Path(__file__).resolve().parents[1])
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")  # no worker process: cheaper
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
-
-
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory):
-    return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def cfg(tiny_chat, task_file, out, *extra):

@@ -9,20 +9,9 @@ import torch
 from tailrl.rl.guards import RunStalledError
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tests.conftest import make_tiny_chat_model
 from tests.rl_helpers import small_cfg, write_task
 
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
-
-
-@pytest.fixture(scope="module")
-def task_file(tmp_path_factory):
-    return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def test_non_finite_loss_skips_the_update_and_stops_the_run(tiny_chat, task_file, tmp_path, monkeypatch):

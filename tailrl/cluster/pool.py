@@ -12,7 +12,23 @@ from .workers import RolloutWorker, WorkerSpec, spawn, start_ray
 log = logging.getLogger(__name__)
 
 
-class LocalPool:
+class _Pool:
+    """What both pools share: a blocking call on one worker through submit/gather."""
+
+    def call(self, i: int, method: str, *args, timeout: float = 600.0):
+        ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
+        if i in failed:
+            raise WorkerFailed(i, failed[i])
+        return ok[i]
+
+    def submit(self, i: int, method: str, *args):
+        raise NotImplementedError
+
+    def gather(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
+        raise NotImplementedError
+
+
+class LocalPool(_Pool):
     def __init__(self, spec: WorkerSpec, n: int):
         self.spec = spec
         self.workers = [RolloutWorker(spec, i) for i in range(n)]
@@ -37,12 +53,6 @@ class LocalPool:
                 self.dead.add(i)
         return ok, failed
 
-    def call(self, i: int, method: str, *args, timeout: float = 600.0):
-        ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
-        if i in failed:
-            raise WorkerFailed(i, failed[i])
-        return ok[i]
-
     def put(self, value):
         return value
 
@@ -54,7 +64,7 @@ class LocalPool:
         self.workers = []
 
 
-class RayPool:
+class RayPool(_Pool):
     def __init__(self, spec: WorkerSpec, n: int, address: str = "", start_timeout_s: float = 600.0):
         import ray
 
@@ -94,12 +104,6 @@ class RayPool:
                 failed[i] = repr(e)
                 self.kill(i)
         return ok, failed
-
-    def call(self, i: int, method: str, *args, timeout: float = 600.0):
-        ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
-        if i in failed:
-            raise WorkerFailed(i, failed[i])
-        return ok[i]
 
     def put(self, value):
         return self.ray.put(value)

@@ -6,7 +6,7 @@ verified since the last one (their hidden states come from the engine), which al
 distribution; the tree then grows level by level (EAGLE-2): the top-k nodes of the newest level by
 cumulative draft probability are expanded, each into its top-k children, and the `budget` best nodes by
 cumulative probability are kept. Sampled requests draw children without replacement from the draft
-distribution q (one after another, keyed uniforms on a stream separate from the verifier's) and carry q for lossless
+distribution q (Gumbel top-k with keyed noise on a stream separate from the verifier's) and carry q for lossless
 rejection sampling; greedy requests take the top-k deterministically."""
 
 from __future__ import annotations

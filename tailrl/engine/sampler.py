@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.noise import signed64, inverse_cdf, uniforms
+from ..spec.noise import gumbel_argmax, row_keys, signed64
 from ..spec.verify import Verdict, verify_tree, walk
 from .sampling import SamplingParams
 
@@ -45,7 +45,7 @@ def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
 
 def sample(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions: list[int]) -> tuple[list[int], list[float]]:
     """One token per row from warped logprobs [N, V]: row r is output position positions[r] of a request
-    seeded seeds[r] (inverse CDF at that position's uniform), or the argmax for greedy rows."""
+    seeded seeds[r] (Gumbel-max with that position's keyed noise), or the argmax for greedy rows."""
     tokens = sample_tensor(logprobs, greedy, seeds, positions)
     lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens.tolist(), lp.tolist()
@@ -53,11 +53,14 @@ def sample(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positio
 
 def sample_tensor(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions) -> torch.Tensor:
     """`sample`'s tokens as a tensor on the logits' device (positions may be a tensor)."""
+    tokens = logprobs.argmax(-1)
     if all(greedy):
-        return logprobs.argmax(-1)
-    tokens = inverse_cdf(logprobs, uniforms(seeds, positions, device=logprobs.device))
-    if any(greedy):
-        tokens = torch.where(torch.tensor(greedy, device=logprobs.device), logprobs.argmax(-1), tokens)
+        return tokens
+    keys = row_keys(seeds, positions, device=logprobs.device)
+    rows = torch.tensor([not g for g in greedy], device=logprobs.device).nonzero().squeeze(-1)
+    if len(rows) == len(greedy):
+        return gumbel_argmax(logprobs, keys)
+    tokens[rows] = gumbel_argmax(logprobs[rows], keys[rows])  # noise only for the sampled rows
     return tokens
 
 

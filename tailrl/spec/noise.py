@@ -1,11 +1,14 @@
-"""Sampling noise keyed by (request seed, output position, index): a counter-based hash, no generator state.
+"""Sampling noise keyed by (request seed, output position, vocabulary index): a counter-based hash, no
+generator state.
 
-Every random number the engine uses is `uniform(seed, position, index)`: a splitmix64 hash of the triple,
-computed the same way, bit for bit, in Python integers and in int64 torch ops on any device. So the token at
-output position i of a request depends only on its seed and i, whichever way (plain decode, any draft tree,
-any batch, any worker, a resumed run, CPU or GPU) it is reached, and no host-side generator is created per
-row. Draws use the inverse CDF of the warped distribution with one uniform per token (index 0); rejection
-sampling takes its per-child uniforms from indices 1, 2, ... of the same position."""
+A position's key is a splitmix64 hash of (seed, position), computed the same way, bit for bit, in Python
+integers and in int64 torch ops on any device. A token is drawn by Gumbel-max: argmax over the vocabulary of
+logp + G, where G[v] is a Gumbel variate from a 32-bit hash of (key, v) in int32 torch ops on the logits'
+device. So the token at output position i of a request depends only on its seed and i, whichever way (plain
+decode, any draft tree, any batch, any worker, a resumed run, CPU or GPU) it is reached, and no host-side
+generator is made per row. Gumbel-max (not an inverse CDF) because a draw then flips under float noise in the
+logits only where the two best perturbed scores nearly tie; a CDF sums the noise of the whole vocabulary.
+Rejection sampling takes its per-child uniforms from `uniform(seed, position, 1 + k)`."""
 
 from __future__ import annotations
 
@@ -51,8 +54,8 @@ def _tmix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def uniforms(seeds, positions, index=0, device=None) -> torch.Tensor:
-    """Vectorised `uniform`: float64 tensor of the broadcast shape of seeds, positions and index."""
+def hash_tensor(seeds, positions, index=0, device=None) -> torch.Tensor:
+    """Vectorised `hash3` as int64 (the same bits), shaped as the broadcast of seeds, positions and index."""
     def t(x):
         if isinstance(x, torch.Tensor):
             return x.to(device=device or x.device, dtype=torch.long)
@@ -62,46 +65,57 @@ def uniforms(seeds, positions, index=0, device=None) -> torch.Tensor:
     s, p, i = t(seeds), t(positions), t(index)
     z = _tmix(s + signed64(_K1))
     z = _tmix(z + p * signed64(_K1))
-    z = _tmix(z + (i + 1) * signed64(_K1))
-    return (_srl(z, 11).double() + 0.5) * 2.0**-53
+    return _tmix(z + (i + 1) * signed64(_K1))
+
+
+def uniforms(seeds, positions, index=0, device=None) -> torch.Tensor:
+    """Vectorised `uniform`: float64 tensor of the broadcast shape of seeds, positions and index."""
+    return (_srl(hash_tensor(seeds, positions, index, device), 11).double() + 0.5) * 2.0**-53
 
 
 # ---- draws ----------------------------------------------------------------------------------------------
 
-def inverse_cdf(logp: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """Rows of log-probabilities [N, V] (need not be normalised; -inf = excluded) and uniforms [N] -> one
-    token per row, token t with probability p_t / sum(p). Never returns a token of probability 0.
-
-    Two levels, so no [N, V] float64 cumulative sum is built: block sums pick the block that holds u's share of
-    the mass, then a cumulative sum inside that block picks the token. Every row is computed on its own, so a
-    row's token does not depend on the other rows of the batch."""
-    N, V = logp.shape
-    p = logp.float().exp()
-    if V % block:
-        p = torch.nn.functional.pad(p, (0, block - V % block))
-    blocks = p.view(N, -1, block)
-    cb = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
-    x = u.to(device=p.device, dtype=torch.float64) * cb[:, -1]
-    b = torch.searchsorted(cb, x[:, None]).squeeze(-1).clamp_(max=cb.shape[1] - 1)
-    before = torch.where(b > 0, cb.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(-1), torch.zeros_like(x))
-    inner = blocks[torch.arange(N, device=p.device), b].double().cumsum(-1)
-    i = torch.searchsorted(inner, (x - before)[:, None]).squeeze(-1).clamp_(max=block - 1)
-    return (b * block + i).clamp_(max=V - 1)
+_GOLDEN32 = -1640531527  # 0x9E3779B9 as int32
+_M1, _M2 = 0x7FEB352D, -2073254261  # lowbias32 multipliers (0x846CA68B as int32)
 
 
-def draw(logp: torch.Tensor, seed: int, position: int, index: int = 0) -> int:
-    """One token from log-probabilities [V] with the uniform of (seed, position, index)."""
-    u = torch.tensor([uniform(seed, position, index)], dtype=torch.float64)
-    return int(inverse_cdf(logp[None], u)[0])
+def _srl32(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (32 - k)) - 1)
+
+
+def row_keys(seeds, positions, device=None) -> torch.Tensor:
+    """int32 keys [N] of (seed, position) pairs: the low 32 bits of hash3(seed, position, 0)."""
+    z = (hash_tensor(seeds, positions, 0, device) + (1 << 31)) & 0xFFFFFFFF
+    return (z - (1 << 31)).to(torch.int32)
+
+
+def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [N, vocab] (float32) for int32 row keys [N]: a lowbias32 hash of (key, vocabulary index),
+    23 random bits per uniform, never 0 or 1."""
+    idx = torch.arange(vocab, dtype=torch.int32, device=keys.device)
+    x = keys.to(torch.int32)[:, None] + idx[None] * _GOLDEN32
+    x = x ^ _srl32(x, 16)
+    x = x * _M1
+    x = x ^ _srl32(x, 15)
+    x = x * _M2
+    x = x ^ _srl32(x, 16)
+    u = (_srl32(x, 9).float() + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of log-probabilities [N, V] (-inf = excluded) with the rows' keyed Gumbel noise."""
+    return (logp.float() + gumbel(keys, logp.shape[-1])).argmax(-1)
+
+
+def draw(logp: torch.Tensor, seed: int, position: int) -> int:
+    """One token from log-probabilities [V] with the noise of (seed, position)."""
+    return int(gumbel_argmax(logp[None], row_keys([seed], [position], logp.device))[0])
 
 
 def draw_without_replacement(logp: torch.Tensor, seed: int, stream: int, k: int) -> list[int]:
-    """k distinct tokens drawn one after another from logp [V], each from the renormalised rest: the order is
-    the draw order a rejection sampler over children sampled without replacement expects."""
-    x = logp.double().clone()
-    out: list[int] = []
-    for j in range(min(k, int(torch.isfinite(x).sum()))):
-        tok = draw(x, seed, stream, j)
-        out.append(tok)
-        x[tok] = float("-inf")
-    return out
+    """k distinct tokens from logp [V] in draw order (Gumbel top-k: each is a draw from the renormalised rest),
+    the order a rejection sampler over children sampled without replacement expects."""
+    k = min(k, int(torch.isfinite(logp).sum()))
+    scores = logp.float() + gumbel(row_keys([seed], [stream], logp.device), logp.shape[-1])[0]
+    return torch.topk(scores, k).indices.tolist()

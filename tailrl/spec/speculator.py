@@ -59,8 +59,11 @@ class Speculator:
             d.end_rollout()
         return self.watchdog.end_rollout(list(self.drafters))
 
-    def _watch(self, drafter: str, source: str, accepted: float, drafted: float) -> None:
-        stale = self.watchdog.observe(drafter, source, accepted, drafted)
+    def _watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
+        # acceptance depends on the sampling regime (greedy evaluation vs sampled rollouts): compare like with like
+        temps = [s.params.temperature for s in running]
+        regime = f"{source}@T{round(sum(temps) / len(temps), 1)}"
+        stale = self.watchdog.observe(drafter, regime, accepted, drafted)
         if stale is not None:
             log.warning("drafter %s went stale: acceptance %.2f -> %.2f of drafted tokens (after a weight sync?); "
                         "reported as spec/stale/%s, the selector re-measures it", drafter, *stale, drafter)
@@ -121,7 +124,7 @@ class Speculator:
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
                              record.drafted, record.draft_s)
         if record.drafted:
-            self._watch(arm.drafter, "verified", record.accepted, record.drafted)
+            self._watch(arm.drafter, "verified", record.accepted, record.drafted, running)
         trees = self._trees or [None] * B
         cfg = self.cfg
         for s, tree, v in zip(running, trees, verdicts):
@@ -164,7 +167,7 @@ class Speculator:
                         m += 1
                     if m < min(len(path), len(got)) or len(got) >= len(path):
                         self.selector.record_shadow(d.name, m, len(path))
-                        self._watch(d.name, "shadow", m, len(path))
+                        self._watch(d.name, "shadow", m, len(path), [s])
                         pending = None
                 if pending is None:
                     depth = self.cfg.init_depth if d.costly else self.cfg.max_depth
