@@ -12,6 +12,8 @@ Rejection sampling takes its per-child uniforms from `uniform(seed, position, 1 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 M64 = (1 << 64) - 1
@@ -108,9 +110,26 @@ def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (logp.float() + gumbel(keys, logp.shape[-1])).argmax(-1)
 
 
+def _gumbel_py(key: int, v: int) -> float:
+    """`gumbel` for one entry in Python integers (the same hash bits; float64 instead of float32 logs)."""
+    x = (key + v * (_GOLDEN32 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * _M1) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * (_M2 & 0xFFFFFFFF)) & 0xFFFFFFFF
+    x ^= x >> 16
+    return -math.log(-math.log(((x >> 9) + 0.5) / (1 << 23)))
+
+
 def draw(logp: torch.Tensor, seed: int, position: int) -> int:
-    """One token from log-probabilities [V] with the noise of (seed, position)."""
-    return int(gumbel_argmax(logp[None], row_keys([seed], [position], logp.device))[0])
+    """One token from log-probabilities [V] with the noise of (seed, position). Small vocabularies (tests,
+    toy models) take a Python path: a tensor op costs more than the whole draw there."""
+    V = logp.shape[-1]
+    if V > 256:
+        return int(gumbel_argmax(logp[None], row_keys([seed], [position], logp.device))[0])
+    key = hash3(seed, position, 0) & 0xFFFFFFFF
+    lp = logp.tolist()
+    return max((x + _gumbel_py(key, v), v) for v, x in enumerate(lp) if x != float("-inf"))[1]
 
 
 def draw_without_replacement(logp: torch.Tensor, seed: int, stream: int, k: int) -> list[int]:
