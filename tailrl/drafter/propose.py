@@ -126,7 +126,7 @@ class LearnedDrafter(_BatchDrafter):
         frontier: list[list[_Node]] = []
         for b, s in enumerate(seqs):
             toks, lps = self._children(s, root_dist[b], k, greedy[b], len(s.output_ids) << 16)
-            frontier.append(self._add(nodes[b], None, toks, lps, floor))
+            frontier.append(self._add(nodes[b], None, toks, lps, floor if greedy[b] else -math.inf))
         written = [0] * len(seqs)
         level_g: dict[int, torch.Tensor] = {}  # id(node) -> the head's output at that node
         parent_g = {b: root_g[b] for b in range(len(seqs))}
@@ -173,7 +173,7 @@ class LearnedDrafter(_BatchDrafter):
                     n.dist = dist[r]
                     stream = (len(seqs[b].output_ids) << 16) + n.order + 1
                     toks, lps = self._children(seqs[b], dist[r], k, greedy[b], stream)
-                    new_frontier[b].extend(self._add(nodes[b], n, toks, lps, floor))
+                    new_frontier[b].extend(self._add(nodes[b], n, toks, lps, floor if greedy[b] else -math.inf))
                     r += 1
             frontier = new_frontier
         return [self._tree(nodes[b], budgets[b], root_dist[b], greedy[b]) for b in range(len(seqs))]
@@ -204,10 +204,32 @@ class LearnedDrafter(_BatchDrafter):
             cap = adj
         return added
 
+    @staticmethod
+    def _keep_greedy(nodes: list[_Node], budget: int) -> list[_Node]:
+        return sorted(nodes, key=lambda n: (-n.adj, n.order))[:budget]
+
+    @staticmethod
+    def _keep_sampled(nodes: list[_Node], budget: int) -> list[_Node]:
+        """Sampled drafts are kept or cut a whole sibling group at a time, by the parent's score: the verifier's
+        rejection sampling is exact only if how many children a node keeps does not depend on which children
+        were drawn (cutting the lowest-scored drafts would bias it towards likely children)."""
+        groups: dict[int, list[_Node]] = {}
+        for n in nodes:
+            groups.setdefault(-1 if n.parent is None else id(n.parent), []).append(n)
+        keep, kept = [], {-1}
+        parents = [None] + sorted({n.parent for n in nodes if n.parent is not None}, key=lambda p: (p.depth, -p.adj, p.order))
+        for p in parents:
+            key = -1 if p is None else id(p)
+            if key in kept and len(keep) + len(groups[key]) <= budget:
+                keep += groups[key]
+                kept.update(id(c) for c in groups[key])
+        return keep
+
     def _tree(self, nodes: list[_Node], budget: int, root_dist: torch.Tensor, greedy: bool) -> DraftTree | None:
         if not nodes:
             return None
-        keep = sorted(sorted(nodes, key=lambda n: (-n.adj, n.order))[:budget], key=lambda n: n.order)
+        keep = sorted(self._keep_greedy(nodes, budget) if greedy else self._keep_sampled(nodes, budget),
+                      key=lambda n: n.order)
         index = {id(n): i for i, n in enumerate(keep)}
         to_target = self.head.to_target_ids
         tokens = to_target(torch.tensor([n.token for n in keep])).tolist()

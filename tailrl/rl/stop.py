@@ -13,7 +13,10 @@ import threading
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
+    """A BaseException, as KeyboardInterrupt is: the failure isolation of drafters, rewards and requests
+    (`except Exception`) must never swallow a stop request."""
+
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
