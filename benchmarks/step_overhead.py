@@ -39,12 +39,12 @@ class ChainDrafter(ModelFreeDrafter):
         return DraftTree.chain([(seq.output_ids[-1] + 1 + i) % 1000 for i in range(budget)], self.name)
 
 
-def measure(model, tok, B: int, verify: bool, steps: int, profile: cProfile.Profile | None):
+def measure(model, tok, B: int, verify: bool, steps: int, profile: cProfile.Profile | None, temperature: float = 1.0):
     spec = SpecConfig(mode="ngram", budgets=(4,), init_depth=4, min_depth=4, max_depth=4)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=2.0, spec=spec if verify else SpecConfig(mode="off")),
                  Speculator(spec, [ChainDrafter()]) if verify else None)
     prompt = [{"role": "user", "content": "Tell me a long story about a robot who learns to paint."}]
-    eng.add_requests([prompt], SamplingParams(n=B, temperature=1.0, max_tokens=steps * 6 + 16, seed=0, ignore_eos=True))
+    eng.add_requests([prompt], SamplingParams(n=B, temperature=temperature, max_tokens=steps * 6 + 16, seed=0, ignore_eos=True))
     eng.step()  # prefill
     for _ in range(3):  # warm-up
         eng.step()
@@ -85,16 +85,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (no sampling noise)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m", device="cpu", dtype=getattr(torch, args.dtype))
     prof = cProfile.Profile()
-    print(f"\nSmolLM2-135M {args.dtype}, CPU, {args.steps} steps per cell (verify: a 4-token chain per sequence)\n")
+    print(f"\nSmolLM2-135M {args.dtype}, CPU, T={args.temperature}, {args.steps} steps per cell (verify: a 4-token chain "
+          "per sequence)\n")
     print("| pass | batch | engine step ms | model forward ms | host work ms | host share |")
     print("|---|---|---|---|---|---|")
     for verify in (False, True):
         for B in (1, 32):
-            step_ms, fwd_ms = measure(model, tok, B, verify, args.steps, prof if verify and B == 32 else None)
+            step_ms, fwd_ms = measure(model, tok, B, verify, args.steps, prof if verify and B == 32 else None,
+                                      args.temperature)
             host = step_ms - fwd_ms
             print(f"| {'verify' if verify else 'decode'} | {B} | {step_ms:.1f} | {fwd_ms:.1f} | {host:.1f} | {100 * host / step_ms:.1f}% |")
     print(f"\nTop host-side costs in the batch-32 verify steps (cumulative ms per step, {args.steps} steps):\n")
