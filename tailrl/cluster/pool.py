@@ -13,19 +13,13 @@ log = logging.getLogger(__name__)
 
 
 class _Pool:
-    """What both pools share: a blocking call on one worker through submit/gather."""
+    """What both pools share: a blocking call on one worker through the subclass's submit/gather."""
 
     def call(self, i: int, method: str, *args, timeout: float = 600.0):
         ok, failed = self.gather({i: self.submit(i, method, *args)}, timeout)
         if i in failed:
             raise WorkerFailed(i, failed[i])
         return ok[i]
-
-    def submit(self, i: int, method: str, *args):
-        raise NotImplementedError
-
-    def gather(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
-        raise NotImplementedError
 
 
 class LocalPool(_Pool):

@@ -82,7 +82,10 @@ def decide(logits: torch.Tensor, seqs: list, trees: list | None, q_lens: list[in
     base = torch.repeat_interleave(torch.tensor([len(s.output_ids) for s in seqs], device=dev), ql)
     positions = base if depths is None else base + depths
     seeds = torch.repeat_interleave(torch.tensor([signed64(s.seed) for s in seqs], device=dev), ql)
-    tokens = sample_tensor(logp, [p.greedy for p in params], seeds, positions)
+    # rows of trees with draft probabilities go through rejection sampling below: no noise drawn for them here
+    rejection = [bool(trees and trees[b] is not None and trees[b].q and not s.params.greedy) for b, s in enumerate(seqs)]
+    argmax_only = [s.params.greedy or r for s, r, q in zip(seqs, rejection, q_lens) for _ in range(q)]
+    tokens = sample_tensor(logp, argmax_only, seeds, positions)
     lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
     tokens = tokens.tolist()
     out, off = [], 0

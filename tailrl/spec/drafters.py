@@ -7,6 +7,7 @@ emitted, and `end_rollout` when a rollout (an RL step) ends."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from typing import Protocol
 
@@ -35,8 +36,8 @@ class Drafter(Protocol):
     def end_rollout(self) -> None: ...
 
 
-class ModelFreeDrafter:
-    """Cheap drafters that propose one sequence at a time."""
+class ModelFreeDrafter(ABC):
+    """Cheap drafters that propose one sequence at a time (subclasses give propose_one, start and accept)."""
 
     name = ""
     costly = False
@@ -48,8 +49,9 @@ class ModelFreeDrafter:
     def propose(self, seqs, budgets, depths):
         return [self.propose_one(s, b, d) if b > 0 and d > 0 else None for s, b, d in zip(seqs, budgets, depths)]
 
+    @abstractmethod
     def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
-        raise NotImplementedError
+        """One tree of at most `budget` nodes and `depth` levels for this sequence, or None."""
 
     def end_rollout(self) -> None:
         pass
