@@ -149,3 +149,14 @@ def test_keyed_gumbel_noise_is_gumbel_and_independent_across_vocabulary_and_posi
         cells = (a * 10).long() * 10 + (b * 10).long()
         assert chisquare(torch.bincount(cells.flatten(), minlength=100).numpy()).pvalue > 1e-3
     assert torch.equal(gumbel(row_keys([5], [9]), 4096)[0], gumbel(row_keys([5, 6], [9, 9]), 4096)[0])  # batch-free
+
+
+def test_a_request_that_fits_the_budget_runs_even_when_alignment_would_round_past_it(tiny):
+    """The cache capacity is rounded up to 16 positions; a 295-token request in a 300-token budget must still
+    get its slot (rounding to 304 once laid out zero slots and the engine idled forever)."""
+    c = tiny.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    eng = Engine(tiny, None, EngineConfig(kv_cache_gb=300 * per_token / 2**30))
+    out = eng.generate([[3, 4, 5]], SamplingParams(max_tokens=292, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 292
+    assert eng.runner.kv.allocated_bytes() <= 300 * per_token

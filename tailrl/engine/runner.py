@@ -58,15 +58,19 @@ class ModelRunner:
     # ---- the cache layout ---------------------------------------------------------------------------------
 
     def fits(self, reserved_len: int) -> bool:
-        """Whether one sequence of this many tokens can ever run (the budget holds one slot of its length)."""
-        return self.kv.slots_for(reserved_len, self.max_num_seqs) >= 1
+        """Whether one sequence of this many tokens can ever run (the budget holds one slot of the capacity a
+        layout for it would have, rounded up as `reserve` rounds it)."""
+        return self.slots_for(reserved_len) >= 1
 
     def slots_for(self, reserved_len: int) -> int:
         """Slots a layout for sequences of up to this many tokens would have."""
         return self.kv.slots_for(self._capacity(reserved_len), self.max_num_seqs)
 
     def _capacity(self, reserved_len: int) -> int:
-        return min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
+        """reserved_len rounded up to ALIGN, but never past the context or the budget (rounding must not make a
+        sequence that fits the budget fail to fit)."""
+        cap = min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
+        return max(min(cap, self.kv.budget_tokens), reserved_len)
 
     def reserve(self, reserved_len: int) -> None:
         """Lays the cache out for sequences of up to reserved_len tokens; only while no sequence runs. A layout
