@@ -1,112 +1,172 @@
-"""End to end: `tailrl train` on its default task and model with SD auto vs SD off (several seeds, side by
-side, interleaved), and TRL's GRPOTrainer on the same model, data, group size, lengths and steps.
+"""End to end: the default `tailrl train` with SD auto against SD off (several seeds, interleaved, each run in its own
+process), and TRL's GRPOTrainer on the same model, prompts, rewards, group size, lengths and batch.
 
-    .venv/bin/python benchmarks/e2e.py [--steps 6] [--seeds 0 1] [--trl]   # --trl needs: pip install -e .[bench]
+    .venv/bin/python benchmarks/e2e.py [--seeds 0 1] [--steps N] [--out DIR] [--trl] [--trl-steps 3] [--extra k=v ...]
+    # --trl needs: .venv/bin/pip install trl   (pulls datasets and pandas; torch is already there)
 
-Reward curves: with position-keyed sampling noise and model-free (deterministic) drafts, SD on and off sample
-the very same rollouts for a seed, so their curves must coincide step for step; the seed-to-seed spread is
-printed beside them as the scale of noise."""
+Runs go to --out (default /tmp/tailrl-e2e); an arm whose folder already holds a finished run is read, not rerun, so
+an interrupted benchmark continues where it stopped (delete the folder to measure again).
+
+Reward curves: in fp32 with deterministic drafts, SD on and off sample the very same rollouts for a seed, so their
+curves coincide. In bf16 (the default on this CPU) a verify pass rounds differently from a one-token step, so the
+runs drift apart by rounding after the first differing token: the curves agree within seed noise, and the
+seed-to-seed spread is printed beside them as its scale."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 PHASES = ["gen", "reward", "old_log_prob", "update", "sync", "eval"]
+ARMS = {"auto": ["rollout.spec.mode=auto"], "off": ["rollout.spec.mode=off"],
+        "learned": ["rollout.spec.mode=auto", "drafter.enabled=true"]}  # learned: auto plus the online EAGLE drafter
 
 
-def run_tailrl(out: Path, seed: int, mode: str, steps: int, extra: list[str]) -> list[dict]:
-    from tailrl.config import load_config
-    from tailrl.rl.run import train
+def run_tailrl(out: Path, seed: int, arm: str, extra: list[str]) -> tuple[list[dict], float]:
+    """The metrics rows of `tailrl train` (default config) in one arm; the wall time of the whole process."""
+    done = out / "done.json"
+    if done.exists():
+        return _rows(out), json.loads(done.read_text())["wall_s"]
+    cmd = [sys.executable, "-m", "tailrl.cli", "train", f"trainer.out_dir={out}", f"trainer.seed={seed}",
+           *ARMS[arm], "trainer.overwrite=true", *extra]
+    print("$", " ".join(cmd[2:]), flush=True)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t
+    done.write_text(json.dumps({"wall_s": wall}))
+    return _rows(out), wall
 
-    shutil.rmtree(out, ignore_errors=True)
-    cfg = load_config(None, [f"trainer.out_dir={out}", f"trainer.seed={seed}", f"trainer.steps={steps}",
-                             f"rollout.spec.mode={mode}", "trainer.eval_every=0", "trainer.save_every=0",
-                             "trainer.report=false", *extra])
-    train(cfg)
+
+def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_trl(steps: int, seed: int) -> float:
-    """Seconds per step of TRL GRPOTrainer with HF generation, same model/data/group/lengths."""
+def run_trl(steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
+    """Seconds per step of TRL GRPOTrainer (HF generate) on the default run's model, train prompts, rewards, group,
+    lengths, temperature, learning rate and batch (prompts_per_step x n completions, micro-batches of the same size)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from tailrl.config import Config
+    from tailrl.config import load_config
     from tailrl.model import load_model, save_pretrained
-    from tailrl.rl.rewards import format_reward, math_partial_reward
-    from tailrl.rl.tasks import make_rows
+    from tailrl.rl.data import chat_prompt, load_datasets
+    from tailrl.rl.rewards import BUILTIN, reward_weights
 
-    cfg = Config()
-    model, tok = load_model(cfg.model.path, device="cpu")
+    cfg = load_config(None, extra)
+    model, tok = load_model(cfg.model.path, device="cpu", dtype=torch.float32)
     folder = Path(tempfile.mkdtemp(prefix="tailrl-trl-"))
     save_pretrained(model, folder / "model", tok)
-    rows = make_rows(cfg.data.task, cfg.trainer.prompts_per_step * steps, seed=0)
-    sys_msg = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    ds = Dataset.from_list([{"prompt": sys_msg + [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    train, _ = load_datasets(cfg.data)
+    ds = Dataset.from_list([{"prompt": chat_prompt(e.prompt, cfg.data.system_prompt), "answer": e.answer} for e in train])
 
-    def acc(prompts, completions, answer, **_):
-        return [math_partial_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+    def wrap(name):
+        f = BUILTIN[name]
 
-    def fmt(prompts, completions, **_):
-        return [0.2 * format_reward(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
+        def reward(prompts, completions, answer, **_):
+            return [f(c[-1]["content"] if isinstance(c, list) else c, answer=a) for c, a in zip(completions, answer)]
 
-    n = cfg.rollout.n
-    args = GRPOConfig(output_dir=str(folder / "out"), per_device_train_batch_size=cfg.trainer.prompts_per_step * n,
-                      num_generations=n, max_completion_length=cfg.rollout.max_tokens, max_steps=steps,
-                      learning_rate=cfg.algo.lr, temperature=cfg.rollout.temperature, use_cpu=True, bf16=False,
-                      logging_steps=1, report_to="none", save_strategy="no", seed=seed, epsilon_high=cfg.algo.clip_high)
+        reward.__name__ = name
+        return reward
+
+    r, a = cfg.rollout, cfg.algo
+    batch = cfg.trainer.prompts_per_step * r.n
+    args = GRPOConfig(
+        output_dir=str(folder / "out"), per_device_train_batch_size=a.micro_batch_size,
+        gradient_accumulation_steps=max(1, batch // a.micro_batch_size), num_generations=r.n,
+        max_completion_length=r.max_tokens, max_steps=steps, learning_rate=a.lr, temperature=r.temperature,
+        top_p=r.top_p, beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high, use_cpu=True, bf16=bf16,
+        reward_weights=reward_weights(cfg.reward.functions, cfg.reward.weights), logging_steps=1, report_to="none",
+        save_strategy="no", seed=seed)
     torch.set_num_threads(2)
-    trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=[acc, fmt], args=args, train_dataset=ds,
-                          processing_class=tok)
+    trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=[wrap(n) for n in cfg.reward.functions], args=args,
+                          train_dataset=ds, processing_class=tok)
     t = time.perf_counter()
     trainer.train()
     return (time.perf_counter() - t) / steps
 
 
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=0, help="0: the default run's trainer.steps")
+    ap.add_argument("--out", default="/tmp/tailrl-e2e")
+    ap.add_argument("--learned-seeds", type=int, nargs="*", default=[],
+                    help="also run the 'learned' arm (auto + online drafter) at these seeds")
     ap.add_argument("--trl", action="store_true")
-    ap.add_argument("--extra", nargs="*", default=[], help="config overrides for both arms")
+    ap.add_argument("--trl-steps", type=int, default=3)
+    ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every arm (TRL too)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="tailrl-e2e-"))
-    runs: dict[tuple[str, int], list[dict]] = {}
+    extra = list(args.extra) + ([f"trainer.steps={args.steps}"] if args.steps else [])
+    root, modes = Path(args.out), ("auto", "off")
+    runs, wall = {}, {}
     for seed in args.seeds:
-        for mode in ("auto", "off"):  # interleaved: machine noise hits both arms alike
-            runs[(mode, seed)] = run_tailrl(root / f"{mode}-{seed}", seed, mode, args.steps, args.extra)
-    print(f"\n`tailrl train` default task/model, {args.steps} steps, seeds {args.seeds}\n")
-    print("| arm | step s | " + " | ".join(f"{p} s" for p in PHASES) + " | accept len | rollout speedup est |")
-    print("|---|---|" + "---|" * len(PHASES) + "---|---|")
-    mean_step = {}
-    for mode in ("auto", "off"):
-        rows = [r for s in args.seeds for r in runs[(mode, s)] if "timing_s/step" in r]
-        avg = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
-        mean_step[mode] = avg("timing_s/step")
-        print(f"| SD {mode} | {avg('timing_s/step'):.1f} | " + " | ".join(f"{avg(f'timing_s/{p}'):.1f}" for p in PHASES)
-              + f" | {avg('spec/accept_length'):.2f} | {avg('spec/speedup_est'):.2f}x |")
-    print(f"\nend-to-end speedup (mean step time off / auto): {mean_step['off'] / mean_step['auto']:.2f}x")
-    gen = {m: sum(r["timing_s/gen"] for s in args.seeds for r in runs[(m, s)] if "timing_s/gen" in r) for m in ("auto", "off")}
-    print(f"rollout speedup (total gen time off / auto): {gen['off'] / gen['auto']:.2f}x\n")
+        for mode in modes:  # interleaved: machine noise hits both arms alike
+            runs[(mode, seed)], wall[(mode, seed)] = run_tailrl(root / f"{mode}-{seed}", seed, mode, extra)
+    for seed in args.learned_seeds:
+        runs[("learned", seed)], wall[("learned", seed)] = run_tailrl(root / f"learned-{seed}", seed, "learned", extra)
+    steps = {k: [r for r in v if "timing_s/step" in r] for k, v in runs.items()}
+    print(f"\n`tailrl train` (default config{', ' + ' '.join(extra) if extra else ''}), seeds {args.seeds}\n")
+    print("| arm | run wall s | step s | step s w/o eval | " + " | ".join(f"{p} s" for p in PHASES)
+          + " | accept len |")
+    print("|---|---|---|---|" + "---|" * len(PHASES) + "---|")
+    tot = {}
+    for mode in modes + (("learned",) if args.learned_seeds else ()):
+        seeds = args.learned_seeds if mode == "learned" else args.seeds
+        rows = [r for s in seeds for r in steps[(mode, s)]]
+        avg = lambda k: mean(r.get(k, 0.0) for r in rows)  # noqa: E731
+        tot[mode] = {k: sum(r.get(f"timing_s/{k}", 0.0) for r in rows) for k in ("step", "gen", "eval")}
+        print(f"| SD {mode} (seeds {seeds}) | {mean(wall[(mode, s)] for s in seeds):.0f} | {avg('timing_s/step'):.1f} | "
+              f"{avg('timing_s/step') - avg('timing_s/eval'):.1f} | "
+              + " | ".join(f"{avg(f'timing_s/{p}'):.1f}" for p in PHASES) + f" | {avg('spec/accept_length'):.2f} |")
+    print(f"\nrollout speedup (training rollouts, total gen time off / auto): {tot['off']['gen'] / tot['auto']['gen']:.2f}x")
+    print(f"rollout + eval generation speedup: {(tot['off']['gen'] + tot['off']['eval']) / (tot['auto']['gen'] + tot['auto']['eval']):.2f}x")
+    print(f"step speedup (total step time off / auto): {tot['off']['step'] / tot['auto']['step']:.2f}x")
+    print(f"whole-run speedup (process wall off / auto): "
+          f"{sum(wall[('off', s)] for s in args.seeds) / sum(wall[('auto', s)] for s in args.seeds):.2f}x\n")
+    if args.learned_seeds:
+        ls = args.learned_seeds
+        off = {k: sum(r.get(f"timing_s/{k}", 0.0) for s in ls for r in steps[("off", s)]) for k in ("step", "gen")}
+        print(f"learned arm against off at seeds {ls}: rollout {off['gen'] / tot['learned']['gen']:.2f}x, "
+              f"step {off['step'] / tot['learned']['step']:.2f}x (auto at those seeds: rollout "
+              f"{off['gen'] / sum(r['timing_s/gen'] for s in ls for r in steps[('auto', s)]):.2f}x)\n")
+    n_steps = min(len(steps[(m, s)]) for m in modes for s in args.seeds)
     print("reward/mean per step:\n")
     print("| step | " + " | ".join(f"auto s{s} | off s{s}" for s in args.seeds) + " | max abs diff auto vs off | seed spread (off) |")
     print("|---|" + "---|---|" * len(args.seeds) + "---|---|")
-    for i in range(args.steps):
-        vals = {(m, s): [r for r in runs[(m, s)] if "reward/mean" in r][i]["reward/mean"] for m in ("auto", "off") for s in args.seeds}
+    for i in range(n_steps):
+        vals = {(m, s): steps[(m, s)][i]["reward/mean"] for m in modes for s in args.seeds}
         diff = max(abs(vals[("auto", s)] - vals[("off", s)]) for s in args.seeds)
         spread = max(vals[("off", s)] for s in args.seeds) - min(vals[("off", s)] for s in args.seeds)
         print(f"| {i + 1} | " + " | ".join(f"{vals[('auto', s)]:.3f} | {vals[('off', s)]:.3f}" for s in args.seeds)
-              + f" | {diff:.4f} | {spread:.3f} |")
+              + f" | {diff:.3f} | {spread:.3f} |")
+    evals = {k: {r["step"]: r["eval/accuracy"] for r in v if "eval/accuracy" in r} for k, v in runs.items() if k[0] in modes}
+    at = sorted(set.intersection(*(set(e) for e in evals.values())))
+    print("\neval/accuracy (greedy, held-out prompts, strict verifier):\n")
+    print("| step | " + " | ".join(f"auto s{s} | off s{s}" for s in args.seeds) + " |")
+    print("|---|" + "---|---|" * len(args.seeds))
+    for st in at:
+        print(f"| {st} | " + " | ".join(f"{evals[('auto', s)][st]:.2f} | {evals[('off', s)][st]:.2f}" for s in args.seeds) + " |")
+    if at:
+        gain = mean(evals[(m, s)][at[-1]] - evals[(m, s)][at[0]] for m in modes for s in args.seeds)
+        print(f"\nmean gain step {at[0]} -> {at[-1]}: {gain:+.2f}")
     if args.trl:
-        trl_step = run_trl(args.steps, args.seeds[0])
-        print(f"\nTRL GRPOTrainer (HF generate, same model/data/group/lengths): {trl_step:.1f} s/step; "
-              f"tailrl SD auto {mean_step['auto']:.1f} s/step: {trl_step / mean_step['auto']:.2f}x faster than TRL")
+        auto = mean(r["timing_s/step"] - r.get("timing_s/eval", 0.0) for s in args.seeds for r in steps[("auto", s)])
+        print("\n| TRL GRPOTrainer (HF generate) | s/step | tailrl SD auto s/step (w/o eval) | tailrl speedup |")
+        print("|---|---|---|---|")
+        for bf16 in (False, True):
+            trl = run_trl(args.trl_steps, args.seeds[0], bf16, list(args.extra))
+            print(f"| {'bf16 autocast' if bf16 else 'fp32'} | {trl:.1f} | {auto:.1f} | {trl / auto:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

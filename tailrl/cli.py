@@ -70,7 +70,7 @@ def cmd_generate(args) -> int:
                               spec=SpecConfig(mode=args.spec, seed=args.seed or 0))
         out = check_writable(args.out)
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
-        model, tokenizer = load_model(args.model, device=args.device)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
         learned = None
         if args.drafter:
             from .drafter import load_drafter
@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="feed text prompts raw instead of through the chat template")
     g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bf16 on CUDA and on CPUs with bf16 matrix hardware, else fp32 (as model.dtype in train)")
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--spec", default="auto", choices=["auto", "off", "history", "ngram", "learned"],

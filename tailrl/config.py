@@ -36,8 +36,10 @@ class DataCfg:
     task: str = "arithmetic"  # built-in task generated locally when train_file is empty
     train_file: str = ""  # JSONL or Parquet with a 'prompt' (text or chat messages) and an 'answer'
     eval_file: str = ""
-    num_train: int = 2000
-    num_eval: int = 16
+    # the default run: 32 train prompts that recur every 4 steps (as prompts do over the epochs of a real run, so the
+    # history drafter has earlier responses to the same prompt) and 32 held-out eval prompts
+    num_train: int = 32
+    num_eval: int = 32
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     system_prompt: str = ""
@@ -48,7 +50,7 @@ class DataCfg:
 class RolloutCfg:
     n: int = 8  # samples per prompt (the GRPO group)
     max_tokens: int = 96
-    temperature: float = 1.0
+    temperature: float = 0.7  # SmolLM2-135M writes noise at 1.0 (pass@8 0.00 vs 0.25 at 0.7: benchmarks/RESULTS.md)
     top_p: float = 1.0
     top_k: int = 0
     kv_cache_gb: float | None = None
@@ -80,7 +82,9 @@ class AlgoCfg:
 
 @dataclass
 class RewardCfg:
-    functions: list[str] = field(default_factory=lambda: ["math_partial", "format"])  # built-ins or module:function
+    # built-ins or module:function. The default is strict accuracy plus a format term: a partial credit for a right
+    # number without the answer line (math_partial) taught the default run to drop the line (issue 13)
+    functions: list[str] = field(default_factory=lambda: ["math", "format"])
     # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
     weights: list[float] = field(default_factory=list)
     timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step
@@ -90,8 +94,8 @@ class RewardCfg:
 
 @dataclass
 class TrainerCfg:
-    steps: int = 16  # the default run shows the reward rising on a 2-core CPU in about 15 minutes
-    prompts_per_step: int = 4
+    steps: int = 16  # the default run lifts held-out greedy accuracy on a 2-core CPU in about 12 minutes
+    prompts_per_step: int = 8
     eval_every: int = 4  # steps; 0 = never
     save_every: int = 4  # steps; 0 = only at the end
     seed: int = 0

@@ -69,8 +69,10 @@ def make_report(run_dir: str | Path) -> Path:
         + (f"; eval accuracy {evals[0]['eval/accuracy']:.2f} -> {evals[-1]['eval/accuracy']:.2f}" if evals else ""), "",
         f"time {total:.0f}s, of which rollout {gen:.0f}s ({100 * gen / max(total, 1e-9):.0f}%); "
         f"mean accept length {sum(r.get('spec/accept_length', 1) for r in train) / len(train):.2f}, "
-        f"estimated rollout speedup {sum(r.get('spec/speedup_est', 1) for r in train) / len(train):.2f}x", "",
+        f"the selector's estimate of the rollout speedup {sum(r.get('spec/speedup_est', 1) for r in train) / len(train):.2f}x "
+        "(its cost model's plain-decoding time over the measured time; `benchmarks/e2e.py` measures SD on against off)", "",
         "![report](report.png)", "",
+        *eval_lines(evals),
         "| step | reward | acc | resp len | gen s | update s | step s | accept len |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -82,6 +84,14 @@ def make_report(run_dir: str | Path) -> Path:
     md = run_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def eval_lines(evals: list[dict]) -> list[str]:
+    """Markdown: greedy accuracy on the held-out prompts at each evaluation."""
+    if not evals:
+        return []
+    return (["| eval at step | greedy accuracy (held out, strict) | eval reward |", "|---|---|---|"]
+            + [f"| {r['step']} | {r['eval/accuracy']:.2f} | {r.get('eval/reward', float('nan')):.3f} |" for r in evals] + [""])
 
 
 def sample_lines(run_dir: Path) -> list[str]:

@@ -154,3 +154,34 @@ def test_invalid_sampling_values_name_the_field(field, value):
 def test_invalid_engine_config_names_the_field():
     with pytest.raises(ValueError, match="kv_cache_gb"):
         EngineConfig(kv_cache_gb=0)
+
+
+def test_bf16_greedy_equals_transformers_bf16_except_near_ties(hf_smollm):
+    """The bf16 engine against transformers' own bf16 greedy decoding. Both round in bf16 but block their matrix
+    products differently, so where the two best logits are within a few bf16 steps the argmax may flip: at the
+    first difference, transformers' own logits there must show such a near-tie between the two choices."""
+    import copy
+
+    from tailrl.model import load_model
+
+    model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    engine = Engine(model, tok, EngineConfig(kv_cache_gb=1.0))
+    hf = copy.deepcopy(hf_smollm).to(torch.bfloat16)
+    outs = engine.generate(CHATS, SamplingParams(temperature=0, max_tokens=32))
+    same = 0
+    for prompt, out in zip(CHATS, outs):
+        ids = engine.encode(prompt)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                          eos_token_id=tok.eos_token_id, pad_token_id=0)[0, len(ids):].tolist()
+        n = min(len(ref), len(out.token_ids))
+        i = next((j for j in range(n) if ref[j] != out.token_ids[j]), None)
+        if i is None:
+            assert len(ref) == len(out.token_ids)
+            same += 1
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + ref[:i]])).logits[0, -1].float()
+        gap = abs(float(logits[ref[i]] - logits[out.token_ids[i]]))
+        # 0.25 = two bf16 steps at logit magnitude 16-32
+        assert gap <= 0.25, f"chat {prompt}: token {i} differs ({out.token_ids[i]} vs {ref[i]}) with a logit gap of {gap}"
+    assert same >= 2, f"only {same} of {len(CHATS)} bf16 greedy outputs equal transformers' bf16 ones"

@@ -1,4 +1,7 @@
+import copy
+
 import pytest
+import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
@@ -39,11 +42,15 @@ def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm):
         assert_same_or_tie(model, ref, out, params, 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)],
                          ids=["t1.0", "t0.8-k3"])
-def test_sampling_with_speculation_follows_the_policy(tiny_peaked, params):
+def test_sampling_with_speculation_follows_the_policy(tiny_peaked, params, dtype):
     """6000 rollouts per epoch with history drafts (siblings, then the previous epoch) against the exact
-    distribution of 4-token continuations; chi-square at significance 0.001 with a fixed seed."""
+    distribution of 4-token continuations; chi-square at significance 0.001 with a fixed seed. In bf16 a verify
+    pass rounds differently from a one-token step (matrix-product blocking depends on the row count), so SD
+    on and off do not draw the very same tokens there: losslessness is this test, by distribution."""
+    tiny_peaked = copy.deepcopy(tiny_peaked).to(dtype)
     D, N = 4, 6000
     prompt = [1, 2, 3, 1]
     params = SamplingParams(temperature=params.temperature, top_k=params.top_k, max_tokens=D, n=N, seed=0, ignore_eos=True)

@@ -113,6 +113,10 @@ def test_report_is_written(tiny_chat, task_file, tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
     text = md.read_text()
     assert "| 2 |" in text and "eval accuracy" in text
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in x]
+    assert [r["step"] for r in evals] == [0, 1, 2]  # one eval table row per evaluation, with its accuracy
+    for r in evals:
+        assert f"| {r['step']} | {r['eval/accuracy']:.2f} |" in text
 
 
 def test_push_weights_matches_parameters_by_name_not_position():

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tasks import make_rows
+from .tasks import split_rows
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,12 @@ def load_datasets(cfg) -> tuple[list[Example], list[Example]]:
         else:
             evals, train = train[: cfg.num_eval], train[cfg.num_eval :] or train
         return train, evals
-    train = to_examples(_task_rows(cfg.task, cfg.num_train, 0), "prompt", "answer", cfg.task)
-    evals = to_examples(_task_rows(cfg.task, cfg.num_eval, 1), "prompt", "answer", cfg.task) if cfg.num_eval else []
-    return train, evals
+    train, evals = split_rows(cfg.task, cfg.num_train, cfg.num_eval)
+    return _task_examples(cfg.task, train, "train"), _task_examples(cfg.task, evals, "eval")
 
 
-def _task_rows(task: str, n: int, seed: int) -> list[tuple[str, dict]]:
-    return [(f"{task} row {i}", r) for i, r in enumerate(make_rows(task, n, seed=seed), 1)]
+def _task_examples(task: str, rows: list[dict], split: str) -> list[Example]:
+    return to_examples([(f"{task} {split} row {i}", r) for i, r in enumerate(rows, 1)], "prompt", "answer", task) if rows else []
 
 
 def fit_prompts(examples: list[Example], encode, system_prompt: str, max_tokens: int, split: str) -> list[Example]:

@@ -60,6 +60,29 @@ def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
     return [TASKS[task](rng) for _ in range(n)]
 
 
+def split_rows(task: str, num_train: int, num_eval: int) -> tuple[list[dict], list[dict]]:
+    """Train and eval rows with distinct prompts, and no eval prompt among the train ones (held out). Raises when
+    the task has fewer distinct prompts than asked for."""
+    evals = distinct_rows(task, num_eval, seed=1)
+    return distinct_rows(task, num_train, seed=0, exclude={r["prompt"] for r in evals}), evals
+
+
+def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    rng, seen, out = random.Random(f"{task}-{seed}"), set(exclude), []
+    for _ in range(50 * n + 1000):
+        if len(out) == n:
+            break
+        r = TASKS[task](rng)
+        if r["prompt"] not in seen:
+            seen.add(r["prompt"])
+            out.append(r)
+    if len(out) < n:
+        raise ValueError(f"task {task!r} gave only {len(out)} distinct prompts of the {n} asked for")
+    return out
+
+
 def write_rows(rows: list[dict], out: str | Path) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
