@@ -38,6 +38,7 @@ class _BatchDrafter:
 
     costly = True  # shadow drafts cost head forwards: the speculator runs them rarely
     needs_hidden = True
+    policy_bound = True  # trained on an earlier policy's outputs
 
     def attach(self, kv) -> None:
         pass

@@ -22,6 +22,9 @@ class Drafter(Protocol):
     name: str
     costly: bool  # proposals cost model forwards: shadow drafts run rarely, at the initial depth
     needs_hidden: bool  # reads the target's captured hidden states (seq.hidden)
+    # drafts from what an earlier policy wrote or taught it (history, a learned head): it can go stale after a weight
+    # sync, so the watchdog warns; a drawn-from-the-text drafter (ngram) only changes with the text it is given
+    policy_bound: bool
 
     def attach(self, kv) -> None:
         """The target's KV cache, for drafters that keep a cache in the same slots (kv.mirror)."""
@@ -42,6 +45,7 @@ class ModelFreeDrafter(ABC):
     name = ""
     costly = False
     needs_hidden = False
+    policy_bound = False
 
     def attach(self, kv) -> None:
         pass
@@ -96,6 +100,7 @@ class PromptHistory:
 
 class HistoryDrafter(ModelFreeDrafter):
     name = "history"
+    policy_bound = True
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
