@@ -1,6 +1,6 @@
 """How the base policy answers the built-in arithmetic task under a few sampling temperatures, instructions and system
 prompts: how often a sample writes the answer line (`####`), strict accuracy, pass@k and greedy accuracy. This chose
-the default run's temperature (0.7) and reward (strict accuracy + format, without partial credit).
+the default run's temperature (0.7) and system prompt (an example of the answer line).
 
     .venv/bin/python benchmarks/instructions.py [--prompts 16] [--k 8] [--max-tokens 128]
 """
@@ -12,14 +12,14 @@ import time
 
 import torch
 
+from tailrl.config import SYSTEM_PROMPT
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.rl import tasks
 from tailrl.rl.data import chat_prompt
 from tailrl.rl.rewards import BUILTIN
 
-EXAMPLE_SYSTEM = ("Solve the problem, then write the final answer as a number on the last line after ####, for "
-                  "example: #### 5")
+EXAMPLE_SYSTEM = SYSTEM_PROMPT  # the default run's data.system_prompt
 VARIANTS = [  # (temperature, system prompt)
     (1.0, ""), (0.7, ""), (0.5, ""), (0.7, EXAMPLE_SYSTEM), (0.5, EXAMPLE_SYSTEM),
 ]

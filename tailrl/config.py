@@ -31,6 +31,9 @@ class ModelCfg:
     train_compute: str = "auto"
 
 
+SYSTEM_PROMPT = "Solve the problem, then write the final answer as a number on the last line after ####, for example: #### 5"
+
+
 @dataclass
 class DataCfg:
     task: str = "arithmetic"  # built-in task generated locally when train_file is empty
@@ -42,7 +45,8 @@ class DataCfg:
     num_eval: int = 32
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    system_prompt: str = ""
+    # the default run's: SmolLM2-135M rarely writes the answer line unprompted (benchmarks/instructions.py)
+    system_prompt: str = SYSTEM_PROMPT
     max_prompt_tokens: int = 256  # longer prompts are skipped with a warning
 
 
@@ -82,9 +86,10 @@ class AlgoCfg:
 
 @dataclass
 class RewardCfg:
-    # built-ins or module:function. The default is strict accuracy plus a format term: a partial credit for a right
-    # number without the answer line (math_partial) taught the default run to drop the line (issue 13)
-    functions: list[str] = field(default_factory=lambda: ["math", "format"])
+    # built-ins or module:function. The default is strict accuracy alone: a partial credit for a right number
+    # without the answer line (math_partial) taught the default run to drop the line, and a format term let it
+    # settle on '#### <any number>' at reward 0.2 (issue 13, benchmarks/RESULTS.md)
+    functions: list[str] = field(default_factory=lambda: ["math"])
     # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
     weights: list[float] = field(default_factory=list)
     timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step
