@@ -86,10 +86,11 @@ class AlgoCfg:
 
 @dataclass
 class RewardCfg:
-    # built-ins or module:function. The default is strict accuracy alone: a partial credit for a right number
-    # without the answer line (math_partial) taught the default run to drop the line, and a format term let it
-    # settle on '#### <any number>' at reward 0.2 (issue 13, benchmarks/RESULTS.md)
-    functions: list[str] = field(default_factory=lambda: ["math"])
+    # built-ins or module:function. The default: strict accuracy plus 0.2 x a strict format term (one clean
+    # '#### <number>' line at the end). A partial credit for a right number without the answer line (math_partial)
+    # taught the default run to drop the line; a loose format term let it spam '#### <anything>' lines; strict
+    # accuracy alone left a seed with no correct sample to learn from (issue 13, benchmarks/RESULTS.md)
+    functions: list[str] = field(default_factory=lambda: ["math", "format"])
     # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
     weights: list[float] = field(default_factory=list)
     timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step

@@ -28,6 +28,10 @@ def test_math_and_format_rewards():
     assert math_reward("... #### 41", "42") == 0.0
     assert math_reward("42", "42") == 0.0  # no answer line
     assert format_reward("#### 41") == 1.0 and format_reward("41") == 0.0
+    assert format_reward("9 + 2 = 11\n#### 11.") == 1.0 and format_reward("\\boxed{4}") == 1.0
+    # gamed forms seen in a run: an equation after ####, several answer lines, text after the answer line
+    for bad in ["#### 9 + 2 = 17", "#### 2\n#### 3", "#### 41\nmore text", "####", "#### five"]:
+        assert format_reward(bad) == 0.0, bad
     assert math_partial_reward("so 5 + 7 = 12.", "12") == 0.5  # right, without the answer line
     assert math_partial_reward("#### 11", "12") == 0.0 and math_partial_reward("x #### 12", "12") == 1.0
     assert math_partial_reward("12 then #### 11", "12") == 0.0  # the answer line decides when present

@@ -76,10 +76,19 @@ def math_partial_reward(completion: str, answer: str, **_) -> float:
     return 0.0
 
 
+_ANSWER_LINE = re.compile(r"####[ \t]*(?:" + _NUM.pattern + r")[ \t]*\.?")
+
+
 def format_reward(completion: str, **_) -> float:
-    """Partial credit for ending with an answer line: '#### <number>' (or a \\boxed{} answer)."""
-    pred = extract_answer(completion)
-    return 1.0 if pred is not None and _to_number(pred) is not None else 0.0
+    """1 for a response that ends with one clean answer line, '#### <number>' (and writes '####' nowhere else), or
+    with a \\boxed{} answer. Looser checks were gamed: a policy paid for any number after the last '####' learned
+    to spam '#### 9 + 2 = 17' lines instead of answering."""
+    text = completion.strip()
+    if "####" not in text:
+        pred = extract_answer(text)  # \boxed{}
+        return 1.0 if pred is not None and _to_number(pred) is not None else 0.0
+    last = text.splitlines()[-1].strip()
+    return 1.0 if text.count("####") == 1 and _ANSWER_LINE.fullmatch(last) else 0.0
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
