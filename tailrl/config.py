@@ -263,6 +263,17 @@ def _set(obj, parts: list[str], value, full: str) -> None:
         setattr(obj, name, _coerce(value, t, full))
 
 
+def _override_value(raw: str):
+    """A `key=value` override's value, parsed as YAML, except that a '#' is text there: YAML would cut
+    'data.system_prompt=answer after #### 5' at ' #' as a comment."""
+    if not raw.strip():
+        return ""
+    value = parse_yaml(raw)
+    if "#" in raw and (value is None or isinstance(value, str)) and raw.strip()[0] not in "'\"":
+        return raw.strip()
+    return value
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = Config()
     if path:
@@ -278,7 +289,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value; valid keys: {', '.join(valid_keys())}")
         key, raw = item.split("=", 1)
-        _set(cfg, key.strip().split("."), parse_yaml(raw) if raw.strip() else "", key.strip())
+        _set(cfg, key.strip().split("."), _override_value(raw), key.strip())
     try:
         # nested spec settings validate themselves on construction
         cfg.rollout.spec = SpecConfig(**dataclasses.asdict(cfg.rollout.spec))

@@ -105,6 +105,15 @@ def test_bad_config_key_lists_the_valid_keys(capsys):
     assert "algo.learning_rate" in err and "algo.lr" in err and "rollout.spec.mode" in err
 
 
+def test_an_override_keeps_text_after_a_hash():
+    from tailrl.config import load_config
+
+    cfg = load_config(None, ["data.system_prompt=Write the answer after ####, as in: #### 5", "algo.lr=1e-5",
+                             "reward.functions=[math]", "data.eval_file='a#b.jsonl'"])
+    assert cfg.data.system_prompt == "Write the answer after ####, as in: #### 5"
+    assert cfg.algo.lr == 1e-5 and cfg.reward.functions == ["math"] and cfg.data.eval_file == "a#b.jsonl"
+
+
 def test_report_is_written(tiny_chat, task_file, tmp_path):
     from tailrl.report import make_report
 

@@ -1,0 +1,69 @@
+"""Rollout speed of SD auto against SD off on the very same policy and history: both arms resume a run's checkpoint
+(weights, history index, data position) and time the next step's rollout, interleaved, several times.
+
+In bf16 the two arms of a whole training run drift apart by rounding, so their rollouts (and lengths) differ and
+`benchmarks/e2e.py`'s gen-time ratio mixes speed with what each run learned. Here both arms sample the same
+prompts, seeds and weights: their responses follow the same distribution, so the ratio is the speedup.
+
+    .venv/bin/python benchmarks/replay.py RUN_DIR [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from tailrl.config import load_config
+
+
+def trainer_for(run: Path, mode: str):
+    from tailrl.rl.trainer import Trainer
+
+    # the run's config.json is YAML too; its own folder, so resume() reads its checkpoints
+    return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", "trainer.resume=true"]))
+
+
+def timed_rollout(trainer) -> dict:
+    trainer.resume()  # the checkpoint's weights, history index and data position, every time
+    examples = [trainer.train_set[i] for i in trainer.loader.next(trainer.cfg.trainer.prompts_per_step)]
+    t = time.perf_counter()
+    comps = trainer.rollout(examples, trainer.step)
+    s = time.perf_counter() - t
+    st = trainer.engine.last_stats
+    return {"s": s, "tokens": sum(len(c.token_ids) for c in comps), "accept": st.mean_accept_length,
+            "max_len": max(len(c.token_ids) for c in comps)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    logging.getLogger("tailrl").setLevel(logging.ERROR)
+    arms = {m: trainer_for(args.run, m) for m in ("off", "auto")}
+    for tr in arms.values():  # warm-up: the selector measures its cost table and acceptance (not checkpointed)
+        timed_rollout(tr)
+    res = {m: [] for m in arms}
+    for _ in range(args.repeats):
+        for m, tr in arms.items():
+            res[m].append(timed_rollout(tr))
+    step = arms["off"].step
+    print(f"\n{args.run} at step {step}: the next step's rollout ({arms['off'].cfg.trainer.prompts_per_step} prompts x "
+          f"{arms['off'].cfg.rollout.n}), {args.repeats} repeats per arm, interleaved\n")
+    print("| arm | rollout s (each) | mean s | tokens (mean) | longest | tokens/s | accept len |")
+    print("|---|---|---|---|---|---|---|")
+    mean = {}
+    for m, rs in res.items():
+        mean[m] = sum(r["s"] for r in rs) / len(rs)
+        tok = sum(r["tokens"] for r in rs) / len(rs)
+        print(f"| SD {m} | {', '.join(f'{r['s']:.1f}' for r in rs)} | {mean[m]:.1f} | {tok:.0f} | "
+              f"{max(r['max_len'] for r in rs)} | {tok / mean[m]:.0f} | {sum(r['accept'] for r in rs) / len(rs):.2f} |")
+    print(f"\nrollout speedup (mean time off / auto): {mean['off'] / mean['auto']:.2f}x")
+    for tr in arms.values():
+        tr.close()
+
+
+if __name__ == "__main__":
+    main()
