@@ -13,8 +13,8 @@ from tailrl.rl.data import load_datasets
 
 @pytest.mark.parametrize("override, key", [
     ("rollout.temperature=0", "rollout.temperature"),  # greedy rollouts give NaN policy-gradient losses
-    ("reward.weights=[.nan,0.2]", "reward.weights"),
-    ("reward.weights=[1.0]", "reward.weights"),  # one weight for two functions
+    ("reward.weights=[.nan]", "reward.weights"),
+    ("reward.weights=[1.0,0.2,0.5]", "reward.weights"),  # three weights for fewer functions
     ("data.num_eval=0", "data.num_eval"),  # while trainer.eval_every > 0
     ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints"),
 ])
