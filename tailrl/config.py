@@ -31,7 +31,8 @@ class ModelCfg:
     train_compute: str = "auto"
 
 
-SYSTEM_PROMPT = "Solve the problem, then write the final answer as a number on the last line after ####, for example: #### 5"
+# no example answer in it: a seed learned to copy an example's '#### 5' for the format reward (issue 13)
+SYSTEM_PROMPT = "Solve the problem step by step, then write the final answer as a number on the last line, after ####."
 
 
 @dataclass
@@ -43,6 +44,9 @@ class DataCfg:
     # history drafter has earlier responses to the same prompt) and 32 held-out eval prompts
     num_train: int = 32
     num_eval: int = 32
+    # difficulty levels of the built-in task (empty: all). The default run keeps arithmetic's levels 1-2 (sums and
+    # one-step word problems), where SmolLM2-135M is sometimes right: GRPO learns only where some samples succeed
+    levels: list[int] = field(default_factory=lambda: [1, 2])
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     # the default run's: SmolLM2-135M rarely writes the answer line unprompted (benchmarks/instructions.py)
@@ -86,11 +90,10 @@ class AlgoCfg:
 
 @dataclass
 class RewardCfg:
-    # built-ins or module:function. The default: strict accuracy plus 0.2 x a strict format term (one clean
-    # '#### <number>' line at the end). A partial credit for a right number without the answer line (math_partial)
-    # taught the default run to drop the line; a loose format term let it spam '#### <anything>' lines; strict
-    # accuracy alone left a seed with no correct sample to learn from (issue 13, benchmarks/RESULTS.md)
-    functions: list[str] = field(default_factory=lambda: ["math", "format"])
+    # built-ins or module:function. The default is strict accuracy alone: every shaping term tried was gamed by the
+    # default run (partial credit for a right number: it dropped the answer line; a format term: it spammed or
+    # copied '#### <number>' lines; issue 13, benchmarks/RESULTS.md)
+    functions: list[str] = field(default_factory=lambda: ["math"])
     # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
     weights: list[float] = field(default_factory=list)
     timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step

@@ -47,14 +47,17 @@ def test_loader_reshuffles_per_epoch_and_resumes():
 
 def test_builtin_eval_prompts_are_held_out_and_distinct(monkeypatch):
     # level-1 arithmetic has only 81 distinct prompts, so plain sampling repeats them and leaks eval into train
-    train, evals = load_datasets(DataCfg(task="arithmetic", num_train=300, num_eval=64))
+    train, evals = load_datasets(DataCfg(task="arithmetic", num_train=300, num_eval=64, levels=[]))
     tp, ep = [e.prompt for e in train], [e.prompt for e in evals]
     assert len(train) == 300 and len(evals) == 64
     assert len(set(tp)) == 300 and len(set(ep)) == 64 and not set(tp) & set(ep)
     assert {e.columns["level"] for e in evals} == {1, 2, 3, 4}
+    easy_train, easy_evals = load_datasets(DataCfg(task="arithmetic", num_train=40, num_eval=20, levels=[1, 2]))
+    assert {e.columns["level"] for e in easy_train + easy_evals} == {1, 2}
+    assert not {e.prompt for e in easy_train} & {e.prompt for e in easy_evals}
     from tailrl.rl import tasks
 
-    monkeypatch.setitem(tasks.TASKS, "five", lambda rng: {"prompt": str(rng.randint(1, 5)), "answer": "0"})
+    monkeypatch.setitem(tasks.TASKS, "five", lambda rng: {"prompt": str(rng.randint(1, 5)), "answer": "0", "level": 1})
     assert len(load_datasets(DataCfg(task="five", num_train=3, num_eval=2))[0]) == 3
     with pytest.raises(ValueError, match="only 3 distinct prompts of the 4"):
         load_datasets(DataCfg(task="five", num_train=4, num_eval=2))

@@ -118,7 +118,7 @@ def load_datasets(cfg) -> tuple[list[Example], list[Example]]:
         else:
             evals, train = train[: cfg.num_eval], train[cfg.num_eval :] or train
         return train, evals
-    train, evals = split_rows(cfg.task, cfg.num_train, cfg.num_eval)
+    train, evals = split_rows(cfg.task, cfg.num_train, cfg.num_eval, cfg.levels)
     return _task_examples(cfg.task, train, "train"), _task_examples(cfg.task, evals, "eval")
 
 

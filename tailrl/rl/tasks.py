@@ -60,14 +60,14 @@ def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
     return [TASKS[task](rng) for _ in range(n)]
 
 
-def split_rows(task: str, num_train: int, num_eval: int) -> tuple[list[dict], list[dict]]:
-    """Train and eval rows with distinct prompts, and no eval prompt among the train ones (held out). Raises when
-    the task has fewer distinct prompts than asked for."""
-    evals = distinct_rows(task, num_eval, seed=1)
-    return distinct_rows(task, num_train, seed=0, exclude={r["prompt"] for r in evals}), evals
+def split_rows(task: str, num_train: int, num_eval: int, levels=()) -> tuple[list[dict], list[dict]]:
+    """Train and eval rows with distinct prompts, and no eval prompt among the train ones (held out), from the given
+    difficulty levels (all when empty). Raises when the task has fewer distinct prompts than asked for."""
+    evals = distinct_rows(task, num_eval, seed=1, levels=levels)
+    return distinct_rows(task, num_train, seed=0, exclude={r["prompt"] for r in evals}, levels=levels), evals
 
 
-def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset()) -> list[dict]:
+def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset(), levels=()) -> list[dict]:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     rng, seen, out = random.Random(f"{task}-{seed}"), set(exclude), []
@@ -75,6 +75,8 @@ def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset())
         if len(out) == n:
             break
         r = TASKS[task](rng)
+        if levels and r["level"] not in levels:
+            continue
         if r["prompt"] not in seen:
             seen.add(r["prompt"])
             out.append(r)
