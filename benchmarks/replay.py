@@ -22,7 +22,7 @@ def trainer_for(run: Path, mode: str):
     from tailrl.rl.trainer import Trainer
 
     # the run's config.json is YAML too; its own folder, so resume() reads its checkpoints
-    return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", "trainer.resume=true"]))
+    return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", "trainer.resume=true", "trainer.overwrite=false"]))
 
 
 def timed_rollout(trainer) -> dict:
@@ -58,7 +58,8 @@ def main():
     for m, rs in res.items():
         mean[m] = sum(r["s"] for r in rs) / len(rs)
         tok = sum(r["tokens"] for r in rs) / len(rs)
-        print(f"| SD {m} | {', '.join(f'{r['s']:.1f}' for r in rs)} | {mean[m]:.1f} | {tok:.0f} | "
+        each = ", ".join(f"{r['s']:.1f}" for r in rs)
+        print(f"| SD {m} | {each} | {mean[m]:.1f} | {tok:.0f} | "
               f"{max(r['max_len'] for r in rs)} | {tok / mean[m]:.0f} | {sum(r['accept'] for r in rs) / len(rs):.2f} |")
     print(f"\nrollout speedup (mean time off / auto): {mean['off'] / mean['auto']:.2f}x")
     for tr in arms.values():
