@@ -129,7 +129,11 @@ def main():
         print(f"| SD {mode} (seeds {seeds}) | {mean(wall[(mode, s)] for s in seeds):.0f} | {avg('timing_s/step'):.1f} | "
               f"{avg('timing_s/step') - avg('timing_s/eval'):.1f} | "
               + " | ".join(f"{avg(f'timing_s/{p}'):.1f}" for p in PHASES) + f" | {avg('spec/accept_length'):.2f} |")
+    toks = {m: sum(sum(r.get("response_lengths", [])) for s in args.seeds for r in steps[(m, s)]) for m in modes}
     print(f"\nrollout speedup (training rollouts, total gen time off / auto): {tot['off']['gen'] / tot['auto']['gen']:.2f}x")
+    print(f"rollout tokens/s: auto {toks['auto'] / tot['auto']['gen']:.0f}, off {toks['off'] / tot['off']['gen']:.0f} "
+          f"({toks['auto'] / tot['auto']['gen'] / (toks['off'] / tot['off']['gen']):.2f}x; in bf16 the arms' rollouts "
+          f"differ, so their lengths do too: {toks['auto']} vs {toks['off']} tokens)")
     print(f"rollout + eval generation speedup: {(tot['off']['gen'] + tot['off']['eval']) / (tot['auto']['gen'] + tot['auto']['eval']):.2f}x")
     print(f"step speedup (total step time off / auto): {tot['off']['step'] / tot['auto']['step']:.2f}x")
     print(f"whole-run speedup (process wall off / auto): "
