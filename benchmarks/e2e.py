@@ -46,9 +46,19 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_trl(steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
+def run_trl(out: Path, steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
     """Seconds per step of TRL GRPOTrainer (HF generate) on the default run's model, train prompts, rewards, group,
-    lengths, temperature, learning rate and batch (prompts_per_step x n completions, micro-batches of the same size)."""
+    lengths, temperature, learning rate and batch (prompts_per_step x n completions, micro-batches of the same size).
+    Cached in `out` like the tailrl arms."""
+    if out.exists():
+        return json.loads(out.read_text())["s_per_step"]
+    s_per_step = _trl_seconds_per_step(steps, seed, bf16, extra)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"s_per_step": s_per_step, "steps": steps}))
+    return s_per_step
+
+
+def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -137,7 +147,11 @@ def main():
     print(f"rollout + eval generation speedup: {(tot['off']['gen'] + tot['off']['eval']) / (tot['auto']['gen'] + tot['auto']['eval']):.2f}x")
     print(f"step speedup (total step time off / auto): {tot['off']['step'] / tot['auto']['step']:.2f}x")
     print(f"whole-run speedup (process wall off / auto): "
-          f"{sum(wall[('off', s)] for s in args.seeds) / sum(wall[('auto', s)] for s in args.seeds):.2f}x\n")
+          f"{sum(wall[('off', s)] for s in args.seeds) / sum(wall[('auto', s)] for s in args.seeds):.2f}x")
+    # Amdahl: speculation speeds up only the rollout, so its share f of the SD-off step bounds the step speedup
+    f = tot["off"]["gen"] / (tot["off"]["step"] - tot["off"]["eval"])
+    print(f"rollout share of the SD-off step (w/o eval): {f:.0%}; the step speedup a rollout speedup s can give is "
+          f"1/((1-f)+f/s): {1 / ((1 - f) + f / 1.5):.2f}x at s=1.5, {1 / (1 - f):.2f}x at s=infinity\n")
     if args.learned_seeds:
         ls = args.learned_seeds
         off = {k: sum(r.get(f"timing_s/{k}", 0.0) for s in ls for r in steps[("off", s)]) for k in ("step", "gen")}
@@ -174,7 +188,7 @@ def main():
               f"| tailrl speedup | tailrl s/step, whole run |")
         print("|---|---|---|---|---|")
         for bf16 in (False, True):
-            trl = run_trl(k, args.seeds[0], bf16, list(args.extra))
+            trl = run_trl(root / f"trl-{'bf16' if bf16 else 'fp32'}-{k}.json", k, args.seeds[0], bf16, list(args.extra))
             print(f"| {'bf16 autocast' if bf16 else 'fp32'} | {trl:.1f} | {first:.1f} | {trl / first:.2f}x | {whole:.1f} |",
                   flush=True)
 

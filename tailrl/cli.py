@@ -167,7 +167,7 @@ def cmd_data(args) -> int:
     from .rl.tasks import make_rows, write_rows
 
     try:
-        rows = make_rows(args.task, args.n, args.seed)
+        rows = make_rows(args.task, args.n, args.seed, args.levels)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("task", help="arithmetic | countdown")
     mk.add_argument("--n", type=int, default=1000)
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--levels", type=int, nargs="*", default=[], help="difficulty levels to keep (default: all)")
     mk.add_argument("--out", required=True)
     mk.set_defaults(func=cmd_data)
     dr = sub.add_parser("drafter", help="the learned (EAGLE) drafter: offline training and export")

@@ -44,8 +44,9 @@ class DataCfg:
     # history drafter has earlier responses to the same prompt) and 32 held-out eval prompts
     num_train: int = 32
     num_eval: int = 32
-    # difficulty levels of the built-in task (empty: all). The default run keeps arithmetic's levels 1-2 (sums and
-    # one-step word problems), where SmolLM2-135M is sometimes right: GRPO learns only where some samples succeed
+    # difficulty levels of the built-in task (empty: all; a train_file is used as it is). The default run keeps
+    # arithmetic's levels 1-2 (sums and one-step word problems), where SmolLM2-135M is sometimes right: GRPO learns
+    # only where some samples succeed
     levels: list[int] = field(default_factory=lambda: [1, 2])
     prompt_key: str = "prompt"
     answer_key: str = "answer"

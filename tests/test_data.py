@@ -61,3 +61,21 @@ def test_builtin_eval_prompts_are_held_out_and_distinct(monkeypatch):
     assert len(load_datasets(DataCfg(task="five", num_train=3, num_eval=2))[0]) == 3
     with pytest.raises(ValueError, match="only 3 distinct prompts of the 4"):
         load_datasets(DataCfg(task="five", num_train=4, num_eval=2))
+
+
+def test_a_train_file_too_small_to_hold_out_eval_says_so(tmp_path, caplog):
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": i}) for i in range(3)))
+    with caplog.at_level("WARNING"):
+        train, evals = load_datasets(DataCfg(train_file=str(tmp_path / "d.jsonl"), num_eval=4))
+    assert len(train) == 3 and [e.prompt for e in evals] == [e.prompt for e in train]
+    assert "not held out" in caplog.text and "data.num_eval=4" in caplog.text
+
+
+def test_make_rows_keeps_the_asked_levels():
+    from tailrl.rl.tasks import make_rows
+
+    rows = make_rows("arithmetic", 50, seed=3, levels=[3])
+    assert len(rows) == 50 and {r["level"] for r in rows} == {3}
+    assert {r["level"] for r in make_rows("arithmetic", 200, seed=3)} == {1, 2, 3, 4}
+    with pytest.raises(ValueError, match="levels \\[9\\]"):
+        make_rows("arithmetic", 5, levels=[9])

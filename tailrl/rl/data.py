@@ -115,8 +115,12 @@ def load_datasets(cfg) -> tuple[list[Example], list[Example]]:
         train = to_examples(read_table(cfg.train_file), cfg.prompt_key, cfg.answer_key, cfg.train_file)
         if cfg.eval_file:
             evals = to_examples(read_table(cfg.eval_file), cfg.prompt_key, cfg.answer_key, cfg.eval_file)
-        else:
-            evals, train = train[: cfg.num_eval], train[cfg.num_eval :] or train
+        elif len(train) > cfg.num_eval:
+            evals, train = train[: cfg.num_eval], train[cfg.num_eval :]
+        else:  # too few rows to hold some out: evaluate on the train prompts, and say so
+            log.warning("%s: %d rows, not more than data.num_eval=%d: eval uses the train prompts (not held out); give "
+                        "data.eval_file or lower data.num_eval", cfg.train_file, len(train), cfg.num_eval)
+            evals = train[: cfg.num_eval]
         return train, evals
     train, evals = split_rows(cfg.task, cfg.num_train, cfg.num_eval, cfg.levels)
     return _task_examples(cfg.task, train, "train"), _task_examples(cfg.task, evals, "eval")

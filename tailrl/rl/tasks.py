@@ -53,11 +53,18 @@ def countdown_row(rng: random.Random) -> dict:
 TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row}
 
 
-def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
+def make_rows(task: str, n: int, seed: int = 0, levels=()) -> list[dict]:
+    """n rows of a built-in task, from the given difficulty levels (all when empty)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    rng = random.Random(f"{task}-{seed}")
-    return [TASKS[task](rng) for _ in range(n)]
+    rng, out = random.Random(f"{task}-{seed}"), []
+    for _ in range(50 * n + 1000):
+        if len(out) == n:
+            return out
+        r = TASKS[task](rng)
+        if not levels or r["level"] in levels:
+            out.append(r)
+    raise ValueError(f"task {task!r} gave only {len(out)} of {n} rows at levels {list(levels)}")
 
 
 def split_rows(task: str, num_train: int, num_eval: int, levels=()) -> tuple[list[dict], list[dict]]:
