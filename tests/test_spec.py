@@ -7,7 +7,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.spec.config import SpecConfig
 from tailrl.spec.drafters import HistoryDrafter, NgramDrafter
-from tailrl.spec.selector import OFF, Selector
+from tailrl.spec.selector import OFF, Arm, Selector
 from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
 from tailrl.spec.tree import DraftTree
 from tests.helpers import CHATS, assert_same_or_tie, exact_joint
@@ -93,6 +93,23 @@ def test_selector_turns_speculation_off_where_the_cost_model_says_it_loses():
     assert sel.choose(64) == OFF
     # and on again where it pays: in the long tail
     assert sel.choose(2).drafter == "history"
+
+
+def test_selector_counts_the_overhead_of_verification_outside_the_forward():
+    """On CPU a verify pass can cost no more forward time than a plain step while sampling over the vocabulary for
+    every draft row costs far more: the selector must predict the whole step, not the forward alone."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(4,), epsilon=0.0))
+    for tokens in (1, 8, 64, 320, 512):
+        sel.record_forward(tokens, 0.03)  # flat: verification is free in the forward
+    arm = Arm("history", 4)
+    for _ in range(40):  # 64 sequences, 4 drafted and 0.25 accepted each; 1 ms per row outside the forward
+        sel.record(arm, 64, 64 * 5, 0.03, 0.03 + 64 * 5 * 1e-3, 64 + 16, 64 * 4, 0.0)
+        sel.record(OFF, 64, 64, 0.03, 0.03 + 64 * 1e-4, 64, 0, 0.0)
+        sel.record_shadow("ngram", 0, 4)
+    assert sel.predict(arm, 64) == pytest.approx(80 / (0.03 + 0.32), rel=0.05)
+    assert sel.predict(OFF, 64) == pytest.approx(64 / (0.03 + 0.0064), rel=0.05)
+    assert sel.choose(64) == OFF
+    assert sel.plain_step_s(64) == pytest.approx(0.0364, rel=0.05)
 
 
 def test_cost_model_interpolates_and_extrapolates_conservatively():

@@ -1,9 +1,10 @@
 """Per-batch choice of speculation strategy: off, or a drafter with a draft budget.
 
 Expected throughput of an arm at batch size B (RLHFSpec-style cost model):
-    B * (1 + accepted per sequence-step) / (T_forward(B * (1 + drafted per sequence)) + B * draft cost)
-with T_forward measured online over every forward the engine runs (time against tokens in the pass) and
-acceptance and draft size tracked per arm. On top, TLT's bucketed epsilon-greedy bandit: per batch-size
+    B * (1 + accepted per sequence-step) / (T_forward(R) + R * overhead + B * draft cost),  R = B * (1 + drafted)
+with T_forward measured online over every forward the engine runs (time against tokens in the pass), the
+per-row overhead of a step outside the forward (sampling over the vocabulary, acceptance, KV compaction; measured
+apart for plain and speculative steps: a verify row costs more) and acceptance and draft size tracked per arm. On top, TLT's bucketed epsilon-greedy bandit: per batch-size
 bucket, an arm with enough observations is scored by its measured median reward (tokens / s) over a window,
 and with probability epsilon a random arm is tried, which also keeps the cost model's table filled."""
 
@@ -98,20 +99,28 @@ class Selector:
         self.accept = {a: Rate() for a in self.drafter_arms}  # shadow drafts measure it even while unused
         self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft_cost = {d: 0.0 for d in drafters}  # seconds per sequence proposal
+        # seconds per row outside the forward and drafting, for plain and for speculative steps (None: not yet seen)
+        self.overhead: dict[bool, float | None] = {False: None, True: None}
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 
     def predict(self, arm: Arm, B: int) -> float | None:
         """Expected tokens per second for B sequences (None: not measured yet)."""
         if arm == OFF:
-            t = self.cost.predict(B)
+            t = self.plain_step_s(B)
             return B / t if t else None
         if self.accept[arm].weight == 0:
             return None
-        t = self.cost.predict(B * (1 + self.drafted[arm].mean(arm.budget)))
+        rows = B * (1 + self.drafted[arm].mean(arm.budget))
+        t = self.cost.predict(rows)
         if t is None:
             return None
-        return B * (1 + self.accept[arm].mean(0.0)) / (t + B * self.draft_cost[arm.drafter])
+        return B * (1 + self.accept[arm].mean(0.0)) / (t + rows * (self.overhead[True] or 0.0) + B * self.draft_cost[arm.drafter])
+
+    def plain_step_s(self, B: int) -> float | None:
+        """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
+        t = self.cost.predict(B)
+        return t + B * (self.overhead[False] or 0.0) if t else None
 
     def score(self, arm: Arm, B: int) -> float:
         p = self.predict(arm, B)
@@ -140,9 +149,13 @@ class Selector:
         self.cost.record(tokens_in_pass, forward_s)
         if predicted:
             key = (batch_bucket(B), arm)
-            ratio = min(max((emitted / step_s) / predicted, 0.5), 2.0)
+            ratio = min(max((emitted / step_s) / predicted, 0.25), 4.0)
             self.correction[key] = self.correction.get(key, 1.0) + self.alpha * (ratio - self.correction.get(key, 1.0))
-        if arm != OFF:
+        spec = arm != OFF
+        per_row = max(step_s - forward_s - draft_s, 0.0) / max(tokens_in_pass, 1)
+        seen = self.overhead[spec]
+        self.overhead[spec] = per_row if seen is None else seen + self.alpha * (per_row - seen)
+        if spec:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
             self._ema(self.draft_cost, arm.drafter, draft_s / B)

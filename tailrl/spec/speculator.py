@@ -122,7 +122,7 @@ class Speculator:
         """record: the decode step's StepRecord (its plain-decoding estimate is filled in here); verdicts: per
         running sequence, the accepted nodes and the tokens actually emitted."""
         B = len(running)
-        plain = self.selector.cost.predict(B)
+        plain = self.selector.plain_step_s(B)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
