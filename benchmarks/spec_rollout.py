@@ -123,9 +123,10 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA and on CPUs with AVX-512 BF16/AMX, as the engine")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    model, tok = load_model("smollm2-135m", device=args.device)  # bf16 on CUDA, fp32 on CPU
+    model, tok = load_model("smollm2-135m", device=args.device, dtype=args.dtype)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
     print(f"SmolLM2-135M {str(model.dtype).removeprefix('torch.')}, {where}; SD auto vs off on the same prompts "
           "and settings, interleaved per epoch")
