@@ -92,6 +92,7 @@ def test_warping_in_row_blocks_equals_one_block():
     from tailrl.engine.sampler import _warp
 
     logits = (torch.randn(70, 3000, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
-    params = [SamplingParams(temperature=0.7), SamplingParams(top_k=5), SamplingParams(top_p=0.8)] * 23 + [SamplingParams()]
+    params = [SamplingParams(temperature=0.7), SamplingParams(top_k=5), SamplingParams(top_p=0.8)] * 23
+    params.append(SamplingParams())
     wt = warp_tensors(params, "cpu")
     assert torch.equal(warped_logprobs(logits, *wt, rows=8), _warp(logits, *wt))

@@ -4,9 +4,10 @@ Expected throughput of an arm at batch size B (RLHFSpec-style cost model):
     B * (1 + accepted per sequence-step) / (T_forward(R) + R * overhead + B * draft cost),  R = B * (1 + drafted)
 with T_forward measured online over every forward the engine runs (time against tokens in the pass), the
 per-row overhead of a step outside the forward (sampling over the vocabulary, acceptance, KV compaction; measured
-apart for plain and speculative steps: a verify row costs more) and acceptance and draft size tracked per arm. On top, TLT's bucketed epsilon-greedy bandit: per batch-size
-bucket, an arm with enough observations is scored by its measured median reward (tokens / s) over a window,
-and with probability epsilon a random arm is tried, which also keeps the cost model's table filled."""
+apart for plain and speculative steps: a verify row costs more) and acceptance and draft size tracked per arm.
+On top, a bucketed epsilon-greedy bandit (after TLT): per batch-size bucket and arm, the prediction is scaled by
+a correction factor, an EMA of measured over predicted tokens / s, and with probability epsilon a random arm
+among those within 15% of the best is tried, which also keeps the cost model's table filled."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ class Selector:
         t = self.cost.predict(rows)
         if t is None:
             return None
-        return B * (1 + self.accept[arm].mean(0.0)) / (t + rows * (self.overhead[True] or 0.0) + B * self.draft_cost[arm.drafter])
+        step_s = t + rows * (self.overhead[True] or 0.0) + B * self.draft_cost[arm.drafter]
+        return B * (1 + self.accept[arm].mean(0.0)) / step_s
 
     def plain_step_s(self, B: int) -> float | None:
         """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
