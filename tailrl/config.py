@@ -87,6 +87,10 @@ class AlgoCfg:
     # truncated importance sampling against the rollout engine's logprobs (verl's TIS): each token's loss times
     # min(exp(trainer old logprob - rollout logprob), tis_cap), detached; 0 = off
     tis_cap: float = 0.0
+    # leave sequences with advantage exactly 0 (a group whose samples all got the same reward) out of the update's
+    # forward/backward: their gradient is exactly 0, so the update is the same, for less work (none is skipped while
+    # kl_coef > 0, whose term has a gradient on every sequence)
+    skip_zero_advantage: bool = True
 
 
 @dataclass

@@ -26,7 +26,8 @@ def test_non_finite_loss_skips_the_update_and_stops_the_run(tiny_chat, task_file
     monkeypatch.setattr(update, "policy_loss", nan_loss)
     initial = load_model(tiny_chat, device="cpu")[0].state_dict()
     cfg = small_cfg(tiny_chat, task_file, tmp_path / "run", *BUILTIN_REWARD, "trainer.steps=5",
-                    "trainer.max_skipped_steps=2")
+                    "trainer.max_skipped_steps=2",
+                    "algo.skip_zero_advantage=false")  # every sequence computed, so every step meets the NaN loss
     with pytest.raises(RunStalledError, match=r"2 steps in a row without a policy update.*non-finite"):
         train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

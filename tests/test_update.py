@@ -131,3 +131,51 @@ def test_truncated_importance_weights_multiply_each_tokens_loss():
     assert float(loss.detach()) == pytest.approx(float((-w).mean())) and float(plain.detach()) == pytest.approx(-1.0)
     d = mismatch(old, rollout, mask)
     assert d["rollout/logprob_diff"] == pytest.approx(0.5) and d["rollout/logprob_diff_max"] == pytest.approx(1.0)
+
+
+def run_update(model, batch, adv, algo, seed=0):
+    import copy
+
+    master = copy.deepcopy(model)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-3, weight_decay=0.0)
+    metrics, why = policy_update(Precision(master, "float32"), opt, None, batch, adv, algo, 0.9, random.Random(seed), {})
+    assert why is None
+    return master, opt, metrics
+
+
+def test_skipping_zero_advantage_sequences_gives_the_same_update(tiny):
+    """Groups whose rewards are all equal (advantage 0) are not computed; the weights and Adam's state after the
+    update equal those of computing every sequence. Two PPO epochs of 3 mini-batches: the old logprobs come from the
+    first mini-batch's forward and a no-grad pass, and one mini-batch has only zero advantages (AdamW still steps)."""
+    batch = make_batch(comps(seed=3, n=12), pad=0)
+    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.2, -0.4, -0.8, 0.0, 0.0, 0.7, 0.0, -0.7])
+    algo = AlgoCfg(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, clip_low=0.2, clip_high=0.28)
+    from tailrl.rl.update import update_plan
+
+    minis, live = update_plan(len(batch), adv, algo, random.Random(0), has_ref=False)
+    assert any(not any(live[i] for i in m) for m in minis), "the case needs a mini-batch with only zero advantages"
+    # the same update computed both ways (an all-zero mini-batch after others: Adam's moments move the weights)
+    skip, opt_s, m_s = run_update(tiny, batch, adv, algo)
+    full, opt_f, m_f = run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "skip_zero_advantage": False}))
+    assert m_s["actor/zero_adv_skipped"] == pytest.approx(7 / 12) and m_f["actor/zero_adv_skipped"] == 0
+    assert m_s["perf/update_tokens_per_s"] < m_s["perf/update_batch_tokens_per_s"]
+    assert m_s["actor/pg_loss"] == pytest.approx(m_f["actor/pg_loss"], abs=1e-6)
+    for (n, p), q in zip(skip.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-6, msg=n)  # 0.5% of one AdamW step (lr 1e-3)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            got, want = opt_s.state[p][key].float(), opt_f.state[q][key].float()  # float summation order: 1e-5 of the scale
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-12, f"{n} {key}"
+    moved = max(float((p - q).detach().abs().max()) for p, q in zip(skip.parameters(), tiny.parameters()))
+    assert moved > 1e-4  # the update did something, so the equality above is not trivial
+    # a KL term acts on every sequence: nothing is skipped then
+    assert all(update_plan(len(batch), adv, algo, random.Random(0), has_ref=True)[1])
+
+
+def test_all_zero_advantages_still_step_adam_on_zero_gradients(tiny):
+    batch = make_batch(comps(seed=4, n=6), pad=0)
+    algo = AlgoCfg(mini_batch_size=3, micro_batch_size=2)
+    master, opt, m = run_update(tiny, batch, torch.zeros(6), algo)
+    assert m["actor/zero_adv_skipped"] == 1.0 and m["perf/update_tokens_per_s"] == 0
+    assert "rollout/logprob_diff" not in m  # nothing computed, nothing measured
+    assert all(int(opt.state[p]["step"]) == 2 for p in master.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(master.parameters(), tiny.parameters()))  # Adam from rest: no move

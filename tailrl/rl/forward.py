@@ -95,10 +95,14 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
     return zeros.scatter(0, cols, lp).view(-1, T), zeros.scatter(0, cols, ent).view(-1, T)
 
 
-def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False) -> torch.Tensor:
-    """[B, T] logprobs of the whole batch, without a graph (old or reference logprobs)."""
-    out = torch.zeros_like(batch.mask)
+def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False,
+                     idx: list[int] | None = None) -> torch.Tensor:
+    """Logprobs without a graph (old or reference logprobs): [B, T] of the whole batch, or [len(idx), T] of the
+    sequences idx."""
+    idx = list(range(len(batch))) if idx is None else list(idx)
+    pos = {i: k for k, i in enumerate(idx)}
+    out = torch.zeros(len(idx), batch.mask.shape[1])
     with torch.inference_mode():
-        for ids in length_micro_batches(batch, list(range(len(batch))), micro):
-            out[ids] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+        for ids in length_micro_batches(batch, idx, micro):
+            out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
     return out

@@ -4,9 +4,12 @@ accumulation over length-grouped micro-batches, truncated importance sampling, a
 Invariants:
 - `optimizer.step()` runs only when the mini-batch loss and the gradient norm are finite; otherwise the
   gradients are dropped and the step is counted in `train/skipped_steps` (the weights never see NaN/inf).
-- The PPO ratio's old logprobs are the trainer's own (never the engine's): recomputed in a no-grad pass when the
-  policy moves within the batch (more than one optimizer step), else the current pass's logprobs, detached, which
-  are exactly the trainer's old logprobs. The engine's logprobs (`Batch.rollout_lp`, bf16 rollout) enter only
+- The PPO ratio's old logprobs are the trainer's own (never the engine's): the first mini-batch's own forward,
+  detached, for its sequences (no optimizer step has run yet), and a no-grad pass for the other sequences, run
+  only when the policy moves within the batch (more than one optimizer step).
+- Sequences with advantage exactly 0 are not computed (`update_plan`) while no KL term needs them: the mini-batch
+  partition, the loss normalisers and the number of AdamW steps are those of the full computation, so the
+  weights after the update are the same up to float summation order (tests/test_update.py). The engine's logprobs (`Batch.rollout_lp`, bf16 rollout) enter only
   through the mismatch metrics and, with `algo.tis_cap > 0`, the truncated importance weight
   min(exp(old - rollout), cap), detached (verl's TIS for vLLM rollouts)."""
 
@@ -32,80 +35,116 @@ def mismatch(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Ten
     return {"rollout/logprob_diff": float(d.sum() / mask.sum().clamp_min(1)), "rollout/logprob_diff_max": float(d.max())}
 
 
+def update_plan(B: int, advantages: torch.Tensor, algo, rng: random.Random, has_ref: bool) -> tuple[list, list[bool]]:
+    """The mini-batches of every PPO epoch (one shuffle per epoch, as the loop used to draw them) and which
+    sequences need a forward/backward. A sequence whose advantage is exactly 0 (its whole GRPO group got the same
+    reward) has a zero policy-gradient loss and a zero gradient, so it is left out when nothing else acts on it
+    (no KL term); the mini-batch partition and every loss normaliser stay those of the whole batch."""
+    minis = []
+    for _ in range(algo.ppo_epochs):
+        order = list(range(B))
+        rng.shuffle(order)
+        minis += [order[m0 : m0 + algo.mini_batch_size] for m0 in range(0, B, algo.mini_batch_size)]
+    skip = algo.skip_zero_advantage and not has_ref
+    live = [not (skip and float(advantages[i]) == 0.0) for i in range(B)]
+    return minis, live
+
+
 def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, temperature: float,
                   rng: random.Random, timing: dict) -> tuple[dict, str | None]:
     """prec: the fp32 master (the optimizer's parameters) and the module that computes (precision.py); ref: a
-    frozen reference module or None. Returns the step's actor metrics and, when no optimizer step was taken, why."""
+    frozen reference module or None. Returns the step's actor metrics and, when no optimizer step was taken, why.
+
+    Exactness of the work skipped (`algo.skip_zero_advantage`): the left-out sequences add exactly 0 to every
+    mini-batch loss and gradient; a mini-batch left with no sequence still takes its AdamW step, on zero gradients
+    (Adam's moments move the weights then, as they would in the full computation)."""
     a, policy, autocast = algo, prec.model, prec.autocast
     B = advantages.shape[0]
     mask = batch.mask
-    n_updates = a.ppo_epochs * -(-B // a.mini_batch_size)
+    minis, live = update_plan(B, advantages, a, rng, ref is not None)
+    live_rows = [i for i in range(B) if live[i]]
+    first = set(minis[0])
     t = time.perf_counter()
-    old = no_grad_logprobs(policy, batch, a.micro_batch_size, temperature, autocast) if n_updates > 1 else None
+    # the trainer's logprobs before any optimizer step: the first mini-batch's own forward gives them for its
+    # sequences; a no-grad pass gives the rest, needed only when the policy moves within the batch
+    old = torch.zeros_like(mask)
+    if len(minis) > 1:
+        need = [i for i in live_rows if i not in first]
+        if need:
+            old[need] = no_grad_logprobs(policy, batch, a.micro_batch_size, temperature, autocast, need)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     t = time.perf_counter()
     ref_lp = no_grad_logprobs(ref, batch, a.micro_batch_size, temperature, autocast) if ref is not None else None
     timing["timing_s/ref"] = time.perf_counter() - t
     t = time.perf_counter()
-    first_pass = torch.zeros_like(mask)  # the trainer's logprobs before any optimizer step (when old is None)
     prec.train()
     sums = dict.fromkeys(STATS, 0.0)
-    count = skipped = 0
+    count = skipped = computed = 0
     reason = None
-    for _ in range(a.ppo_epochs):
-        order = list(range(B))
-        rng.shuffle(order)
-        for m0 in range(0, B, a.mini_batch_size):
-            mini = order[m0 : m0 + a.mini_batch_size]
-            tokens_in_mini = float(mask[mini].sum().clamp_min(1))
+    for k, mini in enumerate(minis):
+        tokens_in_mini = float(mask[mini].sum().clamp_min(1))
+        rows = [i for i in mini if live[i]]
+        live_tokens = float(mask[rows].sum().clamp_min(1)) if rows else 1.0
+        optimizer.zero_grad(set_to_none=True)
+        prec.zero_grad()
+        step = dict.fromkeys(sums, 0.0)
+        for micro in length_micro_batches(batch, rows, a.micro_batch_size):
+            m = mask[micro].to(policy.device)
+            logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
+            computed += sum(len(batch.seqs[i]) - 1 for i in micro)
+            if k == 0:
+                old[micro] = logp.detach().to(old.device)
+            old_lp = old[micro].to(logp.device)
+            tis = None
+            if a.tis_cap > 0:
+                tis = torch.exp(old_lp - batch.rollout_lp[micro].to(logp.device)).clamp(max=a.tis_cap) * m
+            loss, info = policy_loss(logp, old_lp, advantages[micro].to(logp.device), m, a.clip_low,
+                                     a.clip_high, a.loss_agg, weights=tis)
+            kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, a.loss_agg) if ref_lp is not None else None
+            if kl is not None:
+                loss = loss + a.kl_coef * kl
+            # weight micro losses so their sum is the mini-batch loss under the aggregation mode
+            w = float(m.sum()) / tokens_in_mini if a.loss_agg == "token-mean" else len(micro) / len(mini)
+            (loss * w).backward()
+            prec.accumulate()
+            # diagnostics are means over the sequences computed
+            ws = float(m.sum()) / live_tokens if a.loss_agg == "token-mean" else len(micro) / len(rows)
+            step["actor/pg_loss"] += float(loss.detach()) * w
+            step["actor/entropy"] += float(aggregate(ent.detach(), m, "token-mean")) * ws
+            step["actor/kl"] += float(kl.detach()) * w if kl is not None else 0.0
+            step["actor/pg_clipfrac"] += info["pg_clipfrac"] * ws
+            step["actor/ppo_kl"] += info["ppo_kl"] * ws
+            step["actor/tis_weight"] += float(aggregate(tis, m, "token-mean")) * ws if tis is not None else ws
+        if not rows:  # no gradient to compute: AdamW still steps, on zeros
+            step["actor/tis_weight"] = 1.0
+            for p in prec.master.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(prec.master.parameters(), a.grad_clip))
+        step["actor/grad_norm"] = grad_norm
+        if not math.isfinite(step["actor/pg_loss"] + step["actor/kl"]) or not math.isfinite(grad_norm):
+            reason = (f"non-finite loss ({step['actor/pg_loss']:.4g})" if not math.isfinite(step["actor/pg_loss"])
+                      else f"non-finite gradient norm ({grad_norm:.4g})")
             optimizer.zero_grad(set_to_none=True)
-            prec.zero_grad()
-            step = dict.fromkeys(sums, 0.0)
-            for micro in length_micro_batches(batch, mini, a.micro_batch_size):
-                m = mask[micro].to(policy.device)
-                logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
-                if old is None:
-                    first_pass[micro] = logp.detach().to(first_pass.device)
-                old_lp = old[micro].to(logp.device) if old is not None else logp.detach()
-                tis = None
-                if a.tis_cap > 0:
-                    tis = torch.exp(old_lp - batch.rollout_lp[micro].to(logp.device)).clamp(max=a.tis_cap) * m
-                loss, info = policy_loss(logp, old_lp, advantages[micro].to(logp.device), m, a.clip_low,
-                                         a.clip_high, a.loss_agg, weights=tis)
-                kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, a.loss_agg) if ref_lp is not None else None
-                if kl is not None:
-                    loss = loss + a.kl_coef * kl
-                # weight micro losses so their sum is the mini-batch loss under the aggregation mode
-                w = float(m.sum()) / tokens_in_mini if a.loss_agg == "token-mean" else len(micro) / len(mini)
-                (loss * w).backward()
-                prec.accumulate()
-                step["actor/pg_loss"] += float(loss.detach()) * w
-                step["actor/entropy"] += float(aggregate(ent.detach(), m, "token-mean")) * w
-                step["actor/kl"] += float(kl.detach()) * w if kl is not None else 0.0
-                step["actor/pg_clipfrac"] += info["pg_clipfrac"] * w
-                step["actor/ppo_kl"] += info["ppo_kl"] * w
-                step["actor/tis_weight"] += float(aggregate(tis, m, "token-mean")) * w if tis is not None else w
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(prec.master.parameters(), a.grad_clip))
-            step["actor/grad_norm"] = grad_norm
-            if not math.isfinite(step["actor/pg_loss"] + step["actor/kl"]) or not math.isfinite(grad_norm):
-                reason = (f"non-finite loss ({step['actor/pg_loss']:.4g})" if not math.isfinite(step["actor/pg_loss"])
-                          else f"non-finite gradient norm ({grad_norm:.4g})")
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            optimizer.step()
-            prec.after_step()
-            count += 1
-            for k, v in step.items():
-                sums[k] += v
+            skipped += 1
+            continue
+        optimizer.step()
+        prec.after_step()
+        count += 1
+        for key, v in step.items():
+            sums[key] += v
     prec.eval()
     optimizer.zero_grad(set_to_none=True)
     prec.zero_grad()
     timing["timing_s/update"] = dt = time.perf_counter() - t
     out = {k: v / max(count, 1) for k, v in sums.items()}
-    out.update(mismatch(old if old is not None else first_pass, batch.rollout_lp, mask))
+    if live_rows:  # engine vs trainer logprobs, over the sequences the trainer computed
+        out.update(mismatch(old[live_rows], batch.rollout_lp[live_rows], mask[live_rows]))
     out["actor/lr"] = a.lr
+    out["actor/zero_adv_skipped"] = (B - len(live_rows)) / B
     out["train/skipped_steps"] = skipped
-    # tokens through forward + backward (prompt and response, no padding), per second of the update phase
-    out["perf/update_tokens_per_s"] = a.ppo_epochs * batch.tokens / max(dt, 1e-9)
+    # tokens through forward + backward (prompt and response, no padding), per second of the update phase; and the
+    # whole batch's tokens per second, the rate a computation of every sequence would have to match
+    out["perf/update_tokens_per_s"] = computed / max(dt, 1e-9)
+    out["perf/update_batch_tokens_per_s"] = a.ppo_epochs * batch.tokens / max(dt, 1e-9)
     return out, reason if count == 0 else None
