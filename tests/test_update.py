@@ -179,3 +179,26 @@ def test_all_zero_advantages_still_step_adam_on_zero_gradients(tiny):
     assert "rollout/logprob_diff" not in m  # nothing computed, nothing measured
     assert all(int(opt.state[p]["step"]) == 2 for p in master.parameters())
     assert all(torch.equal(p, q) for p, q in zip(master.parameters(), tiny.parameters()))  # Adam from rest: no move
+
+
+def test_fused_adamw_where_possible_and_it_steps_like_the_default_kernels():
+    from tailrl.rl.precision import make_adamw
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(7, 5))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    start = [p.detach().clone() for p in a]
+    fused = make_adamw(a, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    plain = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    assert fused.defaults["fused"] is True and not plain.defaults.get("fused")
+    for step in range(3):
+        g = [torch.randn_like(p) for p in a]
+        for p, q, gi in zip(a, b, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        fused.step()
+        plain.step()
+    for p, q, p0 in zip(a, b, start):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert float((p - p0).detach().abs().mean()) > 5e-3  # 3 steps of lr 1e-2 moved the weights
+    # a parameter that the fused kernel cannot take: the default kernels
+    assert not make_adamw([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=1e-3).defaults.get("fused")

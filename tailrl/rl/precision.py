@@ -77,6 +77,20 @@ class Precision:
                 c.copy_(p)
 
 
+def make_adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where the parameters allow it (floating point, on CPU or CUDA): one pass over
+    each tensor instead of a dozen elementwise ops. On this CPU a step over SmolLM2-135M's fp32 master takes 0.04 s
+    fused against 0.33 s with the default (foreach) kernels, and the update takes 4 steps per RL step. The same
+    algorithm; results differ from the foreach kernels by float rounding (tests/test_update.py)."""
+    params = list(params)
+    if all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params):
+        try:
+            return torch.optim.AdamW(params, fused=True, **kwargs)
+        except (RuntimeError, TypeError):  # an older torch or an unsupported device/dtype mix
+            pass
+    return torch.optim.AdamW(params, **kwargs)
+
+
 def _bf16_copy(master: torch.nn.Module) -> torch.nn.Module:
     import copy
 

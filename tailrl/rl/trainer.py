@@ -30,7 +30,7 @@ from .data import Example, Loader, fit_prompts, load_datasets
 from .forward import make_batch
 from .guards import StepGuard
 from .multi_worker import cluster_rollout, make_cluster
-from .precision import Precision, resolve_mode
+from .precision import Precision, make_adamw, resolve_mode
 from .reward_runner import RewardRunner
 from .rewards import accuracy_verifier
 from .samples import pick_samples, sample_steps
@@ -83,8 +83,8 @@ class Trainer:
         self.train_set = fit_prompts(self.train_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "train")
         self.eval_set = fit_prompts(self.eval_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
         self.loader = Loader(len(self.train_set), cfg.trainer.seed)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
-                                           betas=(0.9, 0.99))
+        self.optimizer = make_adamw(self.policy.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
+                                    betas=(0.9, 0.99))
         self.rewards = RewardRunner(cfg.reward.functions, cfg.reward.weights, cfg.reward.timeout_s,
                                     cfg.reward.max_failed_steps)
         self.verifier = accuracy_verifier(cfg.reward.accuracy, cfg.reward.functions)
@@ -311,8 +311,10 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             log.warning("%s has no optimizer state (trainer.save_optimizer_final=false): Adam starts afresh", got.path)
-        for g in self.optimizer.param_groups:  # settings given now win over the checkpoint's
+        kernels = {k: self.optimizer.defaults.get(k) for k in ("fused", "foreach")}
+        for g in self.optimizer.param_groups:  # settings given now win over the checkpoint's (and its kernel choice)
             g["lr"], g["weight_decay"] = self.cfg.algo.lr, self.cfg.algo.weight_decay
+            g.update(kernels)
         self.loader.load_state_dict(state["loader"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
