@@ -63,7 +63,11 @@ def test_a_second_run_in_a_folder_names_the_holder(tiny_chat, task_file, tmp_pat
     assert json.loads((tmp_path / "run.lock").read_text()) == holder  # the holder's lock stays
 
 
-def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   # what torch.save itself raises when the disk fills while it writes (seen here)
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 446159872 "
+                                                "vs 446159764")])
+def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file, tmp_path, monkeypatch, error):
     t = Trainer(cfg(tiny_chat, task_file, tmp_path, "trainer.keep_checkpoints=1", "trainer.save_optimizer_final=false"))
     try:
         root = tmp_path / "checkpoints"
@@ -71,12 +75,13 @@ def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file
         import tailrl.rl.checkpoint as ck
 
         def full_disk(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise error
 
         with monkeypatch.context() as m:
             m.setattr(ck.torch, "save", full_disk)
             t.step = 1
-            with pytest.raises(CheckpointError, match=r"No space left on device.*previous checkpoint \(step_000000\) is intact"):
+            with pytest.raises(CheckpointError, match=r"(No space left on device|unexpected pos).*MB free on that disk.*"
+                                                      r"previous checkpoint \(step_000000\) is intact"):
                 t.save()
         assert (root / "latest").read_text() == "step_000000" and not list(root.glob(".tmp*"))
         assert torch.load(root / "step_000000" / "trainer_state.pt", weights_only=False)["step"] == 0
@@ -116,3 +121,17 @@ def test_sigterm_stops_cleanly_and_prints_the_resume_command(tiny_chat, task_fil
     assert "stopped by SIGTERM" in err and "latest checkpoint: " + str(run / "checkpoints" / "step_") in err
     assert "resume with: tailrl train " in err and err.rstrip().endswith("trainer.resume=true")
     assert not (run / "run.lock").exists()
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_warned_about(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    import tailrl.rl.checkpoint as ck
+
+    model = torch.nn.Linear(1000, 1000)  # 1.0M parameters: 12 MB per checkpoint with AdamW's moments
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: Usage(10**12, 0, 100 * 2**20))
+    assert ck.disk_warning(tmp_path / "run" / "checkpoints", model, keep=2) is None  # 100 MB >= 3 x 12 MB
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: Usage(10**12, 0, 30 * 2**20))
+    msg = ck.disk_warning(tmp_path / "run" / "checkpoints", model, keep=2)
+    assert msg and f"under {tmp_path}" in msg and "3 x 0.01 GB" in msg and "keep_checkpoints=2" in msg

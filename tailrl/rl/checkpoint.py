@@ -84,13 +84,38 @@ def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, confi
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError ("unexpected pos")
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_name(root)
-        raise CheckpointError(f"could not write the checkpoint of step {step} to {root}: {e.strerror or e}; "
+        why = getattr(e, "strerror", None) or str(e).strip()
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {root}: {why} ({free_space(root)}); "
                               f"the previous checkpoint ({prev or 'none'}) is intact") from e
     prune(root, step, keep)
     return final
+
+
+def free_space(root: Path) -> str:
+    """'N MB free on that disk', for errors about writing there."""
+    try:
+        return f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:.0f} MB free on that disk"
+    except OSError:
+        return "free space unknown"
+
+
+def disk_warning(root: Path, policy, keep: int) -> str | None:
+    """A warning when the disk under root cannot hold the checkpoints the run will keep: keep + 1 (a new one is
+    written before the oldest is pruned), each about the fp32 weights plus AdamW's two moments."""
+    each = 3 * 4 * sum(p.numel() for p in {id(p): p for p in policy.parameters()}.values())
+    need = (keep + 1) * each
+    probe = next((q for q in (root, *root.parents) if q.exists()), None)
+    if probe is None:
+        return None
+    free = shutil.disk_usage(probe).free
+    if free >= need:
+        return None
+    return (f"{free / 2**30:.1f} GB free under {probe}, and the run's checkpoints need about {need / 2**30:.1f} GB "
+            f"({keep + 1} x {each / 2**30:.2f} GB: trainer.keep_checkpoints={keep}, plus the one being written): a save "
+            "will fail when the disk fills (the previous checkpoint stays intact)")
 
 
 def prune(root: Path, step: int, keep: int) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config import Config, to_dict
 from ..metrics import LiveView, MetricsWriter
 from . import run_dir
-from .checkpoint import latest_name
+from .checkpoint import disk_warning, latest_name
 from .stop import Interrupted, StopOnSignal
 from .trainer import Trainer
 
@@ -31,6 +31,9 @@ def train(cfg: Config, console=None) -> Path:
         with StopOnSignal() as stop:
             try:
                 trainer = Trainer(cfg)
+                low = disk_warning(out / "checkpoints", trainer.policy, cfg.trainer.keep_checkpoints)
+                if low:
+                    log.warning(low)
                 resumed = cfg.trainer.resume and trainer.resume()
                 (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
                 writer = MetricsWriter(out, resume_step=trainer.step if resumed else None)
