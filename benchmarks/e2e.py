@@ -33,7 +33,10 @@ def run_tailrl(out: Path, seed: int, arm: str, extra: list[str]) -> tuple[list[d
     if done.exists():
         return _rows(out), json.loads(done.read_text())["wall_s"]
     cmd = [sys.executable, "-m", "tailrl.cli", "train", f"trainer.out_dir={out}", f"trainer.seed={seed}",
-           *ARMS[arm], "trainer.overwrite=true", *extra]
+           *ARMS[arm], "trainer.overwrite=true",
+           # one checkpoint per arm on disk (1.6 GB with AdamW; replay.py needs the last): a benchmark folder of
+           # several arms once filled the disk with the default 2
+           "trainer.keep_checkpoints=1", *extra]
     print("$", " ".join(cmd[2:]), flush=True)
     t = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
