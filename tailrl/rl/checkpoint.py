@@ -94,23 +94,26 @@ def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, confi
     return final
 
 
+def _existing(root: Path) -> Path | None:
+    """root, or its nearest ancestor that exists (the disk a folder about to be created will be on)."""
+    return next((q for q in (root, *root.parents) if q.exists()), None)
+
+
 def free_space(root: Path) -> str:
     """'N MB free on that disk', for errors about writing there."""
     try:
-        return f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:.0f} MB free on that disk"
-    except OSError:
+        return f"{shutil.disk_usage(_existing(root)).free / 2**20:.0f} MB free on that disk"
+    except (OSError, TypeError):
         return "free space unknown"
 
 
 def disk_warning(root: Path, policy, keep: int) -> str | None:
     """A warning when the disk under root cannot hold the checkpoints the run will keep: keep + 1 (a new one is
     written before the oldest is pruned), each about the fp32 weights plus AdamW's two moments."""
-    each = 3 * 4 * sum(p.numel() for p in {id(p): p for p in policy.parameters()}.values())
+    each = 3 * 4 * sum(p.numel() for p in policy.parameters())  # parameters() lists a tied weight once
     need = (keep + 1) * each
-    probe = next((q for q in (root, *root.parents) if q.exists()), None)
-    if probe is None:
-        return None
-    free = shutil.disk_usage(probe).free
+    probe = _existing(root)
+    free = shutil.disk_usage(probe).free if probe is not None else need
     if free >= need:
         return None
     return (f"{free / 2**30:.1f} GB free under {probe}, and the run's checkpoints need about {need / 2**30:.1f} GB "

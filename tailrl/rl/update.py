@@ -6,12 +6,12 @@ Invariants:
   gradients are dropped and the step is counted in `train/skipped_steps` (the weights never see NaN/inf).
 - The PPO ratio's old logprobs are the trainer's own (never the engine's): the first mini-batch's own forward,
   detached, for its sequences (no optimizer step has run yet), and a no-grad pass for the other sequences, run
-  only when the policy moves within the batch (more than one optimizer step).
+  only when the policy moves within the batch (more than one optimizer step). The engine's logprobs
+  (`Batch.rollout_lp`, bf16 rollout) enter only through the mismatch metrics and, with `algo.tis_cap > 0`, the
+  truncated importance weight min(exp(old - rollout), cap), detached (verl's TIS for vLLM rollouts).
 - Sequences with advantage exactly 0 are not computed (`update_plan`) while no KL term needs them: the mini-batch
   partition, the loss normalisers and the number of AdamW steps are those of the full computation, so the
-  weights after the update are the same up to float summation order (tests/test_update.py). The engine's logprobs (`Batch.rollout_lp`, bf16 rollout) enter only
-  through the mismatch metrics and, with `algo.tis_cap > 0`, the truncated importance weight
-  min(exp(old - rollout), cap), detached (verl's TIS for vLLM rollouts)."""
+  weights after the update are the same up to float summation order (tests/test_update.py)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def update_plan(B: int, advantages: torch.Tensor, algo, rng: random.Random, has_
         order = list(range(B))
         rng.shuffle(order)
         minis += [order[m0 : m0 + algo.mini_batch_size] for m0 in range(0, B, algo.mini_batch_size)]
-    skip = algo.skip_zero_advantage and not has_ref
-    live = [not (skip and float(advantages[i]) == 0.0) for i in range(B)]
+    if not algo.skip_zero_advantage or has_ref:
+        return minis, [True] * B
+    live = (advantages != 0).tolist()  # NaN != 0: a non-finite advantage is never skipped silently
     return minis, live
 
 
