@@ -54,7 +54,7 @@ def same(a, b) -> None:
 def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
     folder, model, tok = tiny
     cr = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg(mode), threads=1), 2,
-                        ClusterConfig(round_steps=3), CPU)
+                        ClusterConfig(round_steps=3, round_s=60.0), CPU)  # rounds end by step count, not by wall time under load
     try:
         for epoch in range(epochs):  # a second epoch drafts from history and places by predicted lengths
             for greedy in (True, False):
