@@ -20,6 +20,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode/verify passes from CUDA graphs per bucket (only where the model is on CUDA)
     cuda_graph_mem_gb: float = 4.0  # device memory the graphs may take; buckets captured past it run eagerly
     pad_to_buckets: bool = False  # pad decode/verify passes to buckets without graphs too (eager; for tests)
+    batch_invariant: bool | str = "auto"  # logits independent of the pass's shape (engine/invariant.py); auto: CPU bf16
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
     def __post_init__(self):
@@ -33,5 +34,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if not self.cuda_graph_mem_gb >= 0:
             raise ValueError(f"cuda_graph_mem_gb={self.cuda_graph_mem_gb} must be >= 0")
+        if self.batch_invariant not in (True, False, "auto"):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r}: use true, false or auto")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")

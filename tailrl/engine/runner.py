@@ -23,6 +23,7 @@ from ..model.step import make_step
 from ..spec.tree import DraftTree
 from .buckets import Bucket, StaticBatch, forward_padded, pick_bucket
 from .graphs import GraphPool
+from .invariant import MIN_QUERY_ROWS
 from .kv_cache import KVCache
 
 ALIGN = 16  # cache capacity is rounded up to this many positions
@@ -39,9 +40,10 @@ def default_kv_budget(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, model: CausalLM, budget_bytes: int | None, max_num_seqs: int, max_model_len: int,
                  capture_hidden: bool = False, cuda_graphs: bool = False, graph_budget_bytes: int = 0,
-                 pad: bool = False):
+                 pad: bool = False, invariant: bool = False):
         """cuda_graphs: replay decode/verify passes from a GraphPool (only where the model is on CUDA).
-        pad: pad decode/verify passes to buckets even without graphs (eagerly)."""
+        pad: pad decode/verify passes to buckets even without graphs (eagerly).
+        invariant: run decode/verify passes batch-invariantly (engine/invariant.py; no buckets then)."""
         self.model = model
         self.device = model.device
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
@@ -53,6 +55,7 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphPool(self.device, graph_budget_bytes) if cuda_graphs and on_cuda else None
         self.pad = pad
+        self.invariant = invariant
         self.batches: dict[tuple[int, int], StaticBatch] = {}  # (seqs, tokens) -> its static buffers
 
     # ---- the cache layout ---------------------------------------------------------------------------------
@@ -121,6 +124,8 @@ class ModelRunner:
         B = len(roots)
         trees = trees if trees and any(trees) else None
         q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
+        if self.invariant:
+            return self._decode_invariant(roots, cache_lens, trees, q_lens)
         max_k = max(c + q for c, q in zip(cache_lens, q_lens))
         bucket = self._bucket(B, max(q_lens), max_k)
         if bucket is not None:
@@ -131,16 +136,27 @@ class ModelRunner:
         if trees is None:
             logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device))
             return logits, hidden, q_lens, None
-        max_q = max(q_lens)
-        ids, parents = [], []
-        for r, t in zip(roots, trees):
-            ids.append(r)
-            row = [0]
-            if t:
-                ids.extend(t.tokens)
-                row.extend(p + 1 for p in t.parents)
-            parents.append(row + list(range(len(row), max_q)))  # root and padded rows point to themselves
+        ids, parents = _tree_rows(roots, trees, max(q_lens))
         step = make_step(cache_lens, q_lens, list(range(B)), self.device,
+                         tree_parents=torch.tensor(parents, device=self.device))
+        logits, hidden = self._forward(ids, step)
+        return logits, hidden, q_lens, step.depths
+
+    def _decode_invariant(self, roots, cache_lens, trees, q_lens):
+        """decode() on fixed attention shapes: all `capacity` keys, at least MIN_QUERY_ROWS query rows per
+        sequence, and at least two rows in every matrix product (engine/invariant.py)."""
+        B, cap = len(roots), self.kv.capacity
+        self.kv.ensure(B, cap)
+        if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # a lone row: its root again, one position on
+            step = make_step(cache_lens, [2], [0], self.device, min_q=MIN_QUERY_ROWS, num_keys=cap)
+            logits, hidden = self._forward(roots * 2, step)
+            return logits[:1], None if hidden is None else hidden[:1], q_lens, None
+        if trees is None:
+            step = make_step(cache_lens, q_lens, list(range(B)), self.device, min_q=MIN_QUERY_ROWS, num_keys=cap)
+            logits, hidden = self._forward(roots, step)
+            return logits, hidden, q_lens, None
+        ids, parents = _tree_rows(roots, trees, max(max(q_lens), MIN_QUERY_ROWS))
+        step = make_step(cache_lens, q_lens, list(range(B)), self.device, min_q=MIN_QUERY_ROWS, num_keys=cap,
                          tree_parents=torch.tensor(parents, device=self.device))
         logits, hidden = self._forward(ids, step)
         return logits, hidden, q_lens, step.depths
@@ -198,3 +214,17 @@ class ModelRunner:
             counts.append(1 + len(nodes))
             off += q
         return list(rows[torch.tensor(idx, device=rows.device)].split(counts))
+
+
+def _tree_rows(roots: list[int], trees: list[DraftTree | None], width: int) -> tuple[list[int], list[list[int]]]:
+    """The packed ids of each sequence's root and tree nodes, and each sequence's parent rows padded to width (a
+    root and a padded row point to themselves)."""
+    ids, parents = [], []
+    for r, t in zip(roots, trees):
+        ids.append(r)
+        row = [0]
+        if t:
+            ids.extend(t.tokens)
+            row.extend(p + 1 for p in t.parents)
+        parents.append(row + list(range(len(row), width)))
+    return ids, parents

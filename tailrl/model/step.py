@@ -69,18 +69,26 @@ def make_step(
     tree_masks: list[torch.Tensor | None] | None = None,
     tree_parents: torch.Tensor | None = None,
     causal: bool = True,
+    min_q: int = 1,
+    num_keys: int | None = None,
 ) -> StepMeta:
     """Sequence b already holds cache_lens[b] tokens in cache slot slots[b] and adds q_lens[b] new tokens,
     written at cache indices cache_lens[b] .. cache_lens[b] + q_lens[b] - 1. Without a tree the new tokens are
     causal among themselves. A tree is either tree_parents [B, max_q] (see tree_ancestors; positions then
     become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j).
     When every cache_len is 0 and there is no tree, the step is `causal` and carries no mask (causal=False
-    builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu.py)."""
+    builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu.py).
+    min_q pads every sequence's query rows to at least this many, and num_keys fixes how many cache positions the
+    attention reads (at least every cache_len + q_len): the batch-invariant decode (engine/invariant.py)."""
     dev = torch.device(device)
     B = len(q_lens)
     cl = torch.tensor(cache_lens, dtype=torch.long, device=dev)
     ql = torch.tensor(q_lens, dtype=torch.long, device=dev)
-    max_q, max_k = max(q_lens), max(c + q for c, q in zip(cache_lens, q_lens))
+    max_q, max_k = max(max(q_lens), min_q), max(c + q for c, q in zip(cache_lens, q_lens))
+    if num_keys is not None:
+        if num_keys < max_k:
+            raise ValueError(f"num_keys={num_keys} is less than the {max_k} key positions the pass reaches")
+        max_k = num_keys
     seq_of_token = torch.repeat_interleave(torch.arange(B, device=dev), ql)
     starts = torch.cumsum(ql, 0) - ql
     offset = torch.arange(seq_of_token.shape[0], device=dev) - starts[seq_of_token]

@@ -1,0 +1,33 @@
+"""Batch-invariant decoding: a token's logits do not depend on how many other tokens share its forward.
+
+Speculation verifies k drafted tokens in one pass where plain decoding runs one per sequence, and sequences finish
+at other steps, so the same token meets passes of other shapes. In fp32 the results agree but for rounding at
+near-ties; in bf16 on a CPU they round apart often enough that SD on and off draw different rollouts (18 of 32
+sampled responses diverged in one test). Measured on this CPU's bf16 kernels (oneDNN through torch 2.13):
+
+- a linear layer's output row is the same for every number of rows M >= 2; M = 1 takes another kernel;
+- the fused attention kernel's output row is the same for every batch and every query count Q >= 4 (Q = 1..3
+  round apart), but only at one fixed key length: padding the keys changes the result even where masked.
+
+So an invariant pass reads every one of the cache's `capacity` key positions, pads each sequence's query rows
+to MIN_QUERY_ROWS (padded rows see key 0 only and are dropped), and never runs a single-row matrix product: a
+lone sequence decoding without a draft gets a second row (its root again, one position on; the K/V it writes
+there is overwritten by the next token, and causal order hides it from the real row).
+
+What it costs is measured by `benchmarks/invariant.py`. It is a CPU-bf16 property: other kernels (CUDA's
+split-K GEMMs, fp32 on CPU) need their own analysis, and `auto` turns it on only for bf16 on a CPU."""
+
+from __future__ import annotations
+
+import torch
+
+MIN_QUERY_ROWS = 4
+
+
+def resolve_invariant(setting: bool | str, device: torch.device, dtype: torch.dtype) -> bool:
+    """engine.batch_invariant: true | false | auto (bf16 on a CPU, where the kernels above were measured)."""
+    if setting == "auto":
+        return device.type == "cpu" and dtype == torch.bfloat16
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"engine batch_invariant={setting!r}: use true, false or auto")
