@@ -65,6 +65,7 @@ class RolloutCfg:
     kv_cache_gb: float | None = None
     max_num_seqs: int = 256
     cuda_graphs: bool = True  # decode/verify replayed from CUDA graphs per bucket where the engine runs on CUDA
+    batch_invariant: bool | str = "auto"  # SD on/off draw the very same tokens in bf16 too (engine/invariant.py)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
     workers: int = 1  # 1: the in-process engine; N > 1: N Ray rollout workers (see the cluster section)
     worker_threads: int = 1  # CPU threads per rollout worker (a worker takes one GPU where there are GPUs)
@@ -174,6 +175,7 @@ class Config:
             (self.model.train_compute in ("auto", "float32", "autocast", "bfloat16"), "model.train_compute",
              "auto, float32, autocast or bfloat16"),
             (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
+            (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
         ]
         for ok, key, what in checks:
             if not ok:

@@ -14,12 +14,19 @@ to MIN_QUERY_ROWS (padded rows see key 0 only and are dropped), and never runs a
 lone sequence decoding without a draft gets a second row (its root again, one position on; the K/V it writes
 there is overwritten by the next token, and causal order hides it from the real row).
 
+A draft tree's branches are another matter: a node off the tree's first-child path sits in the pass after its
+siblings' subtrees, so its row sees its ancestors with masked holes between them, and the keys' order in the
+attention's sums differs from plain decoding's. The speculator lays trees out depth-first (DraftTree.preorder),
+and `contiguous_prefix` cuts an accepted path at its first node off that layout.
+
 What it costs is measured by `benchmarks/invariant.py`. It is a CPU-bf16 property: other kernels (CUDA's
 split-K GEMMs, fp32 on CPU) need their own analysis, and `auto` turns it on only for bf16 on a CPU."""
 
 from __future__ import annotations
 
 import torch
+
+from ..spec.verify import Verdict
 
 MIN_QUERY_ROWS = 4
 
@@ -31,3 +38,17 @@ def resolve_invariant(setting: bool | str, device: torch.device, dtype: torch.dt
     if isinstance(setting, bool):
         return setting
     raise ValueError(f"engine batch_invariant={setting!r}: use true, false or auto")
+
+
+def contiguous_prefix(v: Verdict) -> Verdict:
+    """Cuts an accepted path at its first node that does not sit right after its parent in the pass. That node's
+    token stays, as the token drawn from its parent's row (a row without holes); the node's own row and K/V, and
+    what follows, are dropped and decoded again. The cut point is a function of the emitted tokens (a stopping
+    time), so the emitted sequence keeps the target's distribution, and with deterministic drafts the very
+    tokens plain decoding draws."""
+    n = 0
+    while n < len(v.accepted_nodes) and v.accepted_nodes[n] == n:
+        n += 1
+    if n == len(v.accepted_nodes):
+        return v
+    return Verdict(v.accepted_nodes[:n], v.tokens[: n + 1], v.logprobs[: n + 1])

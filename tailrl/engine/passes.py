@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-
 from ..spec.selector import OFF
 from ..spec.speculator import Speculator
+from .invariant import contiguous_prefix
 from .output import append_tokens
 from .runner import ModelRunner
 from .sampler import decide, sample_first
@@ -55,6 +55,8 @@ def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, r
     logits, hidden, q_lens, depths = runner.decode([s.output_ids[-1] for s in running], cache_lens, trees)
     t2 = time.perf_counter()
     verdicts = decide(logits, running, trees, q_lens, depths)
+    if trees and runner.invariant:
+        verdicts = [contiguous_prefix(v) for v in verdicts]
     if trees:
         runner.keep_accepted(cache_lens, [v.accepted_nodes for v in verdicts])
     if hidden is not None:  # the verified path's hidden states: the root, then the accepted nodes

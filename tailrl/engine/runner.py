@@ -72,13 +72,14 @@ class ModelRunner:
     def _capacity(self, reserved_len: int) -> int:
         """reserved_len rounded up to ALIGN, but never past the context or the budget (rounding must not make a
         sequence that fits the budget fail to fit)."""
+        reserved_len += self.invariant  # room for a lone sequence's second row at its last token
         cap = min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
         return max(min(cap, self.kv.budget_tokens), reserved_len)
 
     def reserve(self, reserved_len: int) -> None:
         """Lays the cache out for sequences of up to reserved_len tokens; only while no sequence runs. A layout
         that already holds them is kept, so a rollout of uniform requests allocates once."""
-        if reserved_len <= self.kv.capacity:
+        if reserved_len + self.invariant <= self.kv.capacity:
             return
         cap = self._capacity(reserved_len)
         self.kv.layout(self.kv.slots_for(cap, self.max_num_seqs), cap)

@@ -96,7 +96,7 @@ class Speculator:
                 except Exception as e:
                     log.warning("drafter %s gave request %d a bad tree: %s", arm.drafter, running[i].prompt_index, e)
                     trees[i] = None
-        self._trees = [t if t else None for t in trees]
+        self._trees = [t.preorder() if t else None for t in trees]
         return arm, self._trees
 
     def _propose(self, drafter: Drafter, seqs: list, budgets: list[int], depths: list[int]) -> list:

@@ -77,6 +77,22 @@ class DraftTree:
             node = kids[0]
             path.append(self.tokens[node])
 
+    def preorder(self) -> DraftTree:
+        """The same tree with its nodes in depth-first order, first children first: the path along first
+        children is then nodes 0, 1, 2, ..., each right after its parent in a verify pass (engine/invariant.py)."""
+        kids = self.kids_of()
+        order: list[int] = []
+        stack = list(reversed(kids.get(-1, [])))
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(kids.get(node, [])))
+        if order == list(range(len(self.tokens))):
+            return self
+        new = {old: i for i, old in enumerate(order)}
+        return DraftTree([self.tokens[o] for o in order], [new.get(self.parents[o], -1) for o in order],
+                         {new.get(k, -1): v for k, v in self.q.items()}, self.drafter)
+
     @classmethod
     def chain(cls, tokens: list[int], drafter: str = "") -> DraftTree:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), drafter=drafter)

@@ -1,0 +1,89 @@
+"""Batch-invariant decoding (engine/invariant.py): in bf16, speculation changes not one sampled token."""
+
+import pytest
+import torch
+
+from tailrl.config import ConfigError, load_config
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.engine.invariant import contiguous_prefix, resolve_invariant
+from tailrl.model import load_model, make_step
+from tailrl.spec.config import SpecConfig
+from tailrl.spec.tree import DraftTree
+from tailrl.spec.verify import Verdict
+from tests.helpers import CHATS, first_difference
+
+MATH = [[{"role": "user", "content": f"What is {a} times {b}? Think step by step, then answer after ####."}]
+        for a, b in [(12, 7), (33, 4), (9, 14), (25, 25)]]
+
+
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    return load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+
+
+def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16):
+    """Exact equality of every sampled token, no near-tie allowance: without the invariant passes this fails
+    (18 of 32 responses diverged when it was measured). Epsilon 0.3 makes the selector mix arms and budgets, so
+    tokens meet passes of many shapes: plain and verify, batch 32 down to a lone sequence."""
+    model, tok = smollm_bf16
+    chats = CHATS + MATH
+    params = SamplingParams(temperature=1.0, max_tokens=64, n=4, seed=5)
+    plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True)).generate(chats, params)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True,
+                                          spec=SpecConfig(mode="auto", min_match=1, epsilon=0.3)))
+    eng.generate(chats, params)  # the history of the second epoch
+    outs = eng.generate(chats, params)
+    assert sum(o.stats["accepted"] for o in outs) > 50, "speculation barely ran: the test exercised little"
+    diffs = [(i, first_difference(a.token_ids, b.token_ids)) for i, (a, b) in enumerate(zip(plain, outs))]
+    assert [d for d in diffs if d[1] is not None] == []
+
+
+def test_invariant_steps_pad_queries_and_fix_the_key_length():
+    step = make_step([5, 3], [1, 2], [0, 1], min_q=4, num_keys=16)
+    assert step.max_q == 4 and step.max_k == 16 and step.mask.shape == (2, 1, 4, 16)
+    assert step.pad_idx.tolist() == [0, 4, 5]  # the real rows in the padded [seqs x 4] layout
+    assert step.mask[0, 0, 0].tolist() == [True] * 6 + [False] * 10  # 5 cached + itself; the rest is never read
+    assert step.mask[1, 0, 1, :5].tolist() == [True] * 5  # 3 cached, the root, itself
+    assert step.mask[0, 0, 1].any()  # a padded row sees a key (finite softmax); its output is dropped
+    with pytest.raises(ValueError, match="num_keys=5 is less than the 6"):
+        make_step([5, 3], [1, 2], [0, 1], min_q=4, num_keys=5)
+
+
+def test_invariant_decode_matches_the_plain_pass_in_fp32(smollm):
+    """The padded rows, the fixed key length and a lone sequence's second row change nothing but rounding."""
+    model, tok = smollm
+    params = SamplingParams(temperature=0, max_tokens=24)
+    a = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=False)).generate(CHATS[:3], params)
+    b = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True)).generate(CHATS[:3], params)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
+def test_batch_invariant_setting():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_invariant("auto", cpu, torch.bfloat16) and not resolve_invariant("auto", cpu, torch.float32)
+    assert not resolve_invariant("auto", cuda, torch.bfloat16) and resolve_invariant(True, cuda, torch.float32)
+    with pytest.raises(ValueError, match="batch_invariant='sometimes'"):
+        EngineConfig(batch_invariant="sometimes")
+    with pytest.raises(ConfigError, match="rollout.batch_invariant"):
+        load_config(None, ["rollout.batch_invariant=sometimes"])
+    assert load_config(None, ["rollout.batch_invariant=false"]).rollout.batch_invariant is False
+
+
+def test_preorder_puts_the_first_child_path_first_and_keeps_the_tree():
+    q = {-1: torch.tensor([0.5, 0.5]), 1: torch.tensor([0.2, 0.8])}
+    t = DraftTree([10, 20, 11, 21, 12], [-1, -1, 0, 1, 2], q)  # breadth-first: 10 -> 11 -> 12 and 20 -> 21
+    p = t.preorder()
+    assert p.tokens == [10, 11, 12, 20, 21] and p.parents == [-1, 0, 1, -1, 3]
+    assert p.top_path() == t.top_path() == [10, 11, 12]
+    assert torch.equal(p.q[-1], q[-1]) and torch.equal(p.q[3], q[1]) and set(p.q) == {-1, 3}  # node 20 is now 3
+    assert p.preorder() is p
+
+
+def test_contiguous_prefix_cuts_the_path_at_a_branch():
+    v = Verdict([0, 1, 4, 5], [7, 8, 9, 10, 11], [-0.1, -0.2, -0.3, -0.4, -0.5])
+    cut = contiguous_prefix(v)  # node 4 is off the first-child path: its token stays, drawn from node 1's row
+    assert (cut.accepted_nodes, cut.tokens, cut.logprobs) == ([0, 1], [7, 8, 9], [-0.1, -0.2, -0.3])
+    assert contiguous_prefix(Verdict([0, 1], [7, 8, 9], [0.0] * 3)).tokens == [7, 8, 9]
+    assert contiguous_prefix(Verdict([2], [7, 8], [0.0] * 2)).tokens == [7]
