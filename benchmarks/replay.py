@@ -1,9 +1,10 @@
 """Rollout speed of SD auto against SD off on the very same policy and history: both arms resume a run's checkpoint
 (weights, history index, data position) and time the next step's rollout, interleaved, several times.
 
-In bf16 the two arms of a whole training run drift apart by rounding, so their rollouts (and lengths) differ and
-`benchmarks/e2e.py`'s gen-time ratio mixes speed with what each run learned. Here both arms sample the same
-prompts, seeds and weights: their responses follow the same distribution, so the ratio is the speedup.
+Both arms sample the same prompts with the same seeds and weights; with batch-invariant decoding (bf16 on a CPU,
+engine/invariant.py) they emit the very same tokens, and the script counts the responses that agree. Give it an
+SD-auto run: an SD-off run's checkpoint holds no history index, so its auto arm drafts from siblings alone (the
+regime of a run's first epoch). Prints the selector's choices and the tokens/s per batch-size bucket too.
 
     .venv/bin/python benchmarks/replay.py RUN_DIR [--repeats 3]
 """
@@ -26,14 +27,21 @@ def trainer_for(run: Path, mode: str):
 
 
 def timed_rollout(trainer) -> dict:
-    trainer.resume()  # the checkpoint's weights, history index and data position, every time
+    trainer.resume()  # the checkpoint's weights, history index and data position, every time (an SD-off run's
+    # checkpoint has no history index: the auto arm then drafts from siblings alone, as in a run's first epoch)
     examples = [trainer.train_set[i] for i in trainer.loader.next(trainer.cfg.trainer.prompts_per_step)]
     t = time.perf_counter()
     comps = trainer.rollout(examples, trainer.step)
     s = time.perf_counter() - t
     st = trainer.engine.last_stats
     return {"s": s, "tokens": sum(len(c.token_ids) for c in comps), "accept": st.mean_accept_length,
-            "max_len": max(len(c.token_ids) for c in comps)}
+            "max_len": max(len(c.token_ids) for c in comps), "same": [c.token_ids for c in comps],
+            "choices": st.choices, "by_bucket": st.by_bucket}
+
+
+def bucket_range(b: int) -> str:
+    lo, hi = (1 << (b - 1)) + 1 if b else 1, 1 << b
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
 def main():
@@ -62,6 +70,13 @@ def main():
         print(f"| SD {m} | {each} | {mean[m]:.1f} | {tok:.0f} | "
               f"{max(r['max_len'] for r in rs)} | {tok / mean[m]:.0f} | {sum(r['accept'] for r in rs) / len(rs):.2f} |")
     print(f"\nrollout speedup (mean time off / auto): {mean['off'] / mean['auto']:.2f}x")
+    same = sum(a == b for r_off, r_auto in zip(res["off"], res["auto"]) for a, b in zip(r_off["same"], r_auto["same"]))
+    print(f"responses SD auto emitted exactly as SD off: {same} of {sum(len(r['same']) for r in res['off'])}")
+    print("\nper batch-size bucket (last repeat): decode steps per arm the selector chose; tokens/s off -> auto")
+    last = {m: rs[-1] for m, rs in res.items()}
+    for b in sorted(last["auto"]["by_bucket"]):
+        rate = {m: (lambda c: c[0] / c[1] if c and c[1] else 0.0)(last[m]["by_bucket"].get(b)) for m in last}
+        print(f"  B {bucket_range(b)}: {last['auto']['choices'].get(b, {})}; {rate['off']:.0f} -> {rate['auto']:.0f}")
     for tr in arms.values():
         tr.close()
 

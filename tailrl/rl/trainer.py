@@ -318,8 +318,8 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
-        if state.get("history") is not None and self.history is not None:
-            self.history.load_state_dict(state["history"])
+        if self.history is not None:  # exactly the checkpoint's index: none if its run kept none (SD off)
+            self.history.load_state_dict(state.get("history") or {"prompts": []})
         if self.head is not None and got.drafter is not None:
             self.head.set_vocab(got.drafter.vocab)
             self.head.fc.load_state_dict(got.drafter.fc.state_dict())
