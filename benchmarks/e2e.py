@@ -7,10 +7,9 @@ process), and TRL's GRPOTrainer on the same model, prompts, rewards, group size,
 Runs go to --out (default /tmp/tailrl-e2e); an arm whose folder already holds a finished run is read, not rerun, so
 an interrupted benchmark continues where it stopped (delete the folder to measure again).
 
-Reward curves: in fp32 with deterministic drafts, SD on and off sample the very same rollouts for a seed, so their
-curves coincide. In bf16 (the default on this CPU) a verify pass rounds differently from a one-token step, so the
-runs drift apart by rounding after the first differing token: the curves agree within seed noise, and the
-seed-to-seed spread is printed beside them as its scale."""
+Reward curves: with deterministic drafts SD on and off sample the very same rollouts for a seed, so their curves
+coincide: in fp32, and in bf16 on a CPU through batch-invariant decoding (engine/invariant.py; before it, the bf16
+arms drifted apart after the first near-tie). The seed-to-seed spread is printed beside them as a scale."""
 
 from __future__ import annotations
 
