@@ -13,6 +13,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.spec.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
+from tests.helpers import assert_same_or_tie
 
 from .cluster_fakes import fake_rollout
 
@@ -42,9 +43,15 @@ def params(greedy: bool) -> list[SamplingParams]:
     return [SamplingParams(n=3, max_tokens=40, temperature=0.0 if greedy else 1.0, seed=11 * i) for i in range(len(PROMPTS))]
 
 
-def same(a, b) -> None:
+def same(a, b, model=None, plist=None) -> None:
+    """Identical tokens, finish reasons and logprobs. Given the model, a response may instead first differ where
+    the reference's two best (noise-perturbed) scores tie within 1e-4: fp32 rounds apart across batch shapes
+    (a worker's batches are not the in-process engine's), and this random tiny model has near-ties."""
     assert [(c.prompt_index, c.sample_index) for c in a] == [(c.prompt_index, c.sample_index) for c in b]
     for x, y in zip(a, b):
+        if model is not None and x.token_ids != y.token_ids:
+            assert_same_or_tie(model, x, y, plist[x.prompt_index], 1e-4)
+            continue
         assert x.token_ids == y.token_ids, (x.prompt_index, x.sample_index)
         assert x.finish_reason == y.finish_reason
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)
@@ -60,7 +67,7 @@ def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
             for greedy in (True, False):
                 ref = Engine(model, tok, engine_cfg(mode)).generate(PROMPTS, params(greedy))
                 out = cr.generate(PROMPTS, params(greedy))
-                same(ref, out)
+                same(ref, out, model, params(greedy))
         assert cr.metrics["cluster/worker_failures"] == 0
         assert out.stats.generated_tokens == sum(len(c.token_ids) for c in out)
     finally:

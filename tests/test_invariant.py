@@ -87,3 +87,13 @@ def test_contiguous_prefix_cuts_the_path_at_a_branch():
     assert (cut.accepted_nodes, cut.tokens, cut.logprobs) == ([0, 1], [7, 8, 9], [-0.1, -0.2, -0.3])
     assert contiguous_prefix(Verdict([0, 1], [7, 8, 9], [0.0] * 3)).tokens == [7, 8, 9]
     assert contiguous_prefix(Verdict([2], [7, 8], [0.0] * 2)).tokens == [7]
+
+
+def test_bf16_responses_do_not_depend_on_the_other_prompts(smollm_bf16):
+    """Prefill runs each prompt alone and decode passes are invariant: a prompt's samples are the same whether it
+    shares the engine with other prompts (another worker's share, another step's batch) or runs alone."""
+    model, tok = smollm_bf16
+    params = SamplingParams(temperature=1.0, max_tokens=40, n=3, seed=9)
+    together = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(MATH + CHATS[:2], params)
+    alone = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(MATH[1:2], params)
+    assert [c.token_ids for c in together[3:6]] == [c.token_ids for c in alone]

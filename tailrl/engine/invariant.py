@@ -19,6 +19,9 @@ siblings' subtrees, so its row sees its ancestors with masked holes between them
 attention's sums differs from plain decoding's. The speculator lays trees out depth-first (DraftTree.preorder),
 and `contiguous_prefix` cuts an accepted path at its first node off that layout.
 
+Prefill pads a batch's prompts to the longest, so a prompt's K/V would depend on its batch-mates (which differ
+between workers and between steps); an invariant runner prefills each prompt alone.
+
 What it costs is measured by `benchmarks/invariant.py`. It is a CPU-bf16 property: other kernels (CUDA's
 split-K GEMMs, fp32 on CPU) need their own analysis, and `auto` turns it on only for bf16 on a CPU."""
 

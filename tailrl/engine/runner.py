@@ -111,7 +111,16 @@ class ModelRunner:
 
     def prefill(self, token_lists: list[list[int]], slots: list[int]):
         """Writes each list's K/V into its slot from position 0. Returns (logits at each list's last token [N, V],
-        hidden [sum(lens), H] or None)."""
+        hidden [sum(lens), H] or None). Batch-invariant runs prefill each list alone, so that its K/V and logits do
+        not depend on which other prompts were admitted with it (another worker's, another step's)."""
+        if self.invariant and len(token_lists) > 1:
+            outs, seconds = [], 0.0
+            for toks, slot in zip(token_lists, slots):
+                outs.append(self.prefill([toks], [slot]))
+                seconds += self.last_forward_s
+            self.last_forward_s = seconds
+            hidden = torch.cat([o[1] for o in outs]) if self.capture else None
+            return torch.cat([o[0] for o in outs]), hidden
         lens = [len(t) for t in token_lists]
         self.kv.ensure(max(slots) + 1, max(lens) + 1)
         step = make_step([0] * len(lens), lens, slots, self.device)
