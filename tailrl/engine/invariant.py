@@ -22,6 +22,11 @@ and `contiguous_prefix` cuts an accepted path at its first node off that layout.
 Prefill pads a batch's prompts to the longest, so a prompt's K/V would depend on its batch-mates (which differ
 between workers and between steps); an invariant runner prefills each prompt alone.
 
+The key length is the cache layout's capacity, which grows with the longest request an engine has seen: two
+engines round alike once their layouts match (the same config and the same requests, e.g. the same evaluation
+schedule in a training run). A run without evaluation, or a worker that never saw the longest prompt, may lay out
+fewer positions and then draws other tokens, from the same distribution.
+
 What it costs is measured by `benchmarks/invariant.py`. It is a CPU-bf16 property: other kernels (CUDA's
 split-K GEMMs, fp32 on CPU) need their own analysis, and `auto` turns it on only for bf16 on a CPU."""
 
