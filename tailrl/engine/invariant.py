@@ -10,9 +10,10 @@ sampled responses diverged in one test). Measured on this CPU's bf16 kernels (on
   round apart), but only at one fixed key length: padding the keys changes the result even where masked.
 
 So an invariant pass reads every one of the cache's `capacity` key positions, pads each sequence's query rows
-to MIN_QUERY_ROWS (padded rows see key 0 only and are dropped), and never runs a single-row matrix product: a
-lone sequence decoding without a draft gets a second row (its root again, one position on; the K/V it writes
-there is overwritten by the next token, and causal order hides it from the real row).
+to MIN_QUERY_ROWS (padded rows see valid keys, so their softmax is finite, and are dropped), and never runs a
+single-row matrix product: a lone sequence decoding without a draft gets a second row (its root again, one
+position on; the K/V it writes there is overwritten by the next token, and causal order hides it from the real
+row).
 
 A draft tree's branches are another matter: a node off the tree's first-child path sits in the pass after its
 siblings' subtrees, so its row sees its ancestors with masked holes between them, and the keys' order in the
