@@ -97,3 +97,26 @@ def test_bf16_responses_do_not_depend_on_the_other_prompts(smollm_bf16):
     together = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(MATH + CHATS[:2], params)
     alone = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(MATH[1:2], params)
     assert [c.token_ids for c in together[3:6]] == [c.token_ids for c in alone]
+
+
+def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path):
+    """The trainer's engine is invariant by default in bf16 on this CPU: two steps of the default task (SmolLM2,
+    bf16 engine, fp32 master) give the same rollouts, rewards and gradients with SD auto as with SD off. With
+    rollout.batch_invariant=false the response lengths differed at this size when it was written."""
+    from tailrl.rl.trainer import Trainer
+
+    rows = {}
+    for mode in ("off", "auto"):
+        cfg = load_config(None, [f"rollout.spec.mode={mode}", "trainer.prompts_per_step=4", "rollout.n=8",
+                                 "rollout.max_tokens=48", "trainer.eval_every=0", "model.dtype=bfloat16",
+                                 f"trainer.out_dir={tmp_path / mode}", "rollout.spec.epsilon=0.3"])
+        trainer = Trainer(cfg)
+        try:
+            assert trainer.engine.runner.invariant
+            rows[mode] = [trainer.train_step() for _ in range(2)]
+        finally:
+            trainer.close()
+    assert sum(r["spec/accept_length"] for r in rows["auto"]) > 2.0, "speculation never accepted a token"
+    for a, b in zip(rows["off"], rows["auto"]):
+        assert a["response_lengths"] == b["response_lengths"] and a["reward/mean"] == b["reward/mean"]
+        assert a["actor/grad_norm"] == b["actor/grad_norm"] and a["actor/pg_loss"] == b["actor/pg_loss"]
