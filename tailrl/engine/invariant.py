@@ -44,9 +44,7 @@ def resolve_invariant(setting: bool | str, device: torch.device, dtype: torch.dt
     """engine.batch_invariant: true | false | auto (bf16 on a CPU, where the kernels above were measured)."""
     if setting == "auto":
         return device.type == "cpu" and dtype == torch.bfloat16
-    if isinstance(setting, bool):
-        return setting
-    raise ValueError(f"engine batch_invariant={setting!r}: use true, false or auto")
+    return bool(setting)  # EngineConfig has validated it
 
 
 def contiguous_prefix(v: Verdict) -> Verdict:

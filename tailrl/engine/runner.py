@@ -130,44 +130,33 @@ class ModelRunner:
     def decode(self, roots: list[int], cache_lens: list[int], trees: list[DraftTree | None] | None):
         """One pass over running slots 0..B-1: each sequence's last emitted token (the root) and its draft tree's
         nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None), the same whether the
-        pass ran padded (graph or eager) or not."""
+        pass ran padded (graph or eager) or not. A batch-invariant runner reads all `capacity` keys and at least
+        MIN_QUERY_ROWS query rows per sequence, and gives a lone row a second one (engine/invariant.py)."""
         B = len(roots)
         trees = trees if trees and any(trees) else None
         q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
+        fixed = {}
         if self.invariant:
-            return self._decode_invariant(roots, cache_lens, trees, q_lens)
-        max_k = max(c + q for c, q in zip(cache_lens, q_lens))
-        bucket = self._bucket(B, max(q_lens), max_k)
-        if bucket is not None:
-            out = self._decode_padded(bucket, roots, trees, cache_lens)
-            if out is not None:
-                return out[0], out[1], q_lens, out[2]
-        self.kv.ensure(B, max_k)
+            cap = self.kv.capacity
+            self.kv.ensure(B, cap)
+            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap)
+            if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # its root again, one position on
+                logits, hidden = self._forward(roots * 2, make_step(cache_lens, [2], [0], self.device, **fixed))
+                return logits[:1], None if hidden is None else hidden[:1], q_lens, None
+        else:
+            max_k = max(c + q for c, q in zip(cache_lens, q_lens))
+            bucket = self._bucket(B, max(q_lens), max_k)
+            if bucket is not None:
+                out = self._decode_padded(bucket, roots, trees, cache_lens)
+                if out is not None:
+                    return out[0], out[1], q_lens, out[2]
+            self.kv.ensure(B, max_k)
         if trees is None:
-            logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device))
+            logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device, **fixed))
             return logits, hidden, q_lens, None
-        ids, parents = _tree_rows(roots, trees, max(q_lens))
+        ids, parents = _tree_rows(roots, trees, max(max(q_lens), fixed.get("min_q", 1)))
         step = make_step(cache_lens, q_lens, list(range(B)), self.device,
-                         tree_parents=torch.tensor(parents, device=self.device))
-        logits, hidden = self._forward(ids, step)
-        return logits, hidden, q_lens, step.depths
-
-    def _decode_invariant(self, roots, cache_lens, trees, q_lens):
-        """decode() on fixed attention shapes: all `capacity` keys, at least MIN_QUERY_ROWS query rows per
-        sequence, and at least two rows in every matrix product (engine/invariant.py)."""
-        B, cap = len(roots), self.kv.capacity
-        self.kv.ensure(B, cap)
-        if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # a lone row: its root again, one position on
-            step = make_step(cache_lens, [2], [0], self.device, min_q=MIN_QUERY_ROWS, num_keys=cap)
-            logits, hidden = self._forward(roots * 2, step)
-            return logits[:1], None if hidden is None else hidden[:1], q_lens, None
-        if trees is None:
-            step = make_step(cache_lens, q_lens, list(range(B)), self.device, min_q=MIN_QUERY_ROWS, num_keys=cap)
-            logits, hidden = self._forward(roots, step)
-            return logits, hidden, q_lens, None
-        ids, parents = _tree_rows(roots, trees, max(max(q_lens), MIN_QUERY_ROWS))
-        step = make_step(cache_lens, q_lens, list(range(B)), self.device, min_q=MIN_QUERY_ROWS, num_keys=cap,
-                         tree_parents=torch.tensor(parents, device=self.device))
+                         tree_parents=torch.tensor(parents, device=self.device), **fixed)
         logits, hidden = self._forward(ids, step)
         return logits, hidden, q_lens, step.depths
 
