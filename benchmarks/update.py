@@ -1,14 +1,17 @@
 """The policy update's throughput: the old path (one padded full-logits forward per micro-batch, [B, T, V] fp32
-log-softmax) against the new one (length-grouped micro-batches, chunked LM head over response tokens only),
-on SmolLM2-135M with a GRPO-shaped batch, side by side in one run. Precisions: fp32; bf16 autocast over the
+log-softmax), the path `separate` (one row per sequence in length-grouped micro-batches, chunked LM head over
+response tokens only) and the path `new` (`separate`, but a prompt's samples share one copy of the prompt:
+rl/packing.py), on SmolLM2-135M with a GRPO-shaped batch, side by side in one run. Precisions: fp32; bf16 autocast over the
 fp32 weights; a bf16 compute copy with fp32 master weights and fp32 Adam (rl/precision.py; new path only).
 
-The batch: `--prompts` prompts of ~60 tokens x `--n` samples, responses of 30..200 tokens (uniform, fixed seed).
+The batch: `--prompts` prompts of `--prompt-len` tokens x `--n` samples, responses of `--resp` tokens (uniform, fixed
+seed). The default run's batches: `--prompt-len 53-60 --resp 20-96` (a 53-token chat prompt, responses of 35-80
+tokens on average, cut at 96).
 Each variant runs the whole update (forward, backward, one AdamW step over the batch) from the same weights
 and optimizer state; variants are interleaved per repeat so that load from other processes hits all alike.
 Prints tokens/s (prompt + response tokens through forward and backward) and the ratio to the old fp32 path.
 
-    .venv/bin/python benchmarks/update.py [--prompts 4 --n 8 --micro 8 --repeats 2]
+    .venv/bin/python benchmarks/update.py [--prompts 4 --n 8 --micro 8 --repeats 2] [--variants separate-autocast,new-autocast]
 """
 
 from __future__ import annotations
@@ -25,17 +28,18 @@ from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
 from tailrl.rl.forward import autocast_ctx, make_batch
+from tailrl.rl.packing import packed_tokens
 from tailrl.rl.precision import Precision
 from tailrl.rl.update import policy_update
 
 
-def fake_completions(vocab: int, prompts: int, n: int, seed: int = 0):
+def fake_completions(vocab: int, prompts: int, n: int, seed: int = 0, plen=(50, 70), rlen=(30, 200)):
     rng = random.Random(seed)
     comps = []
     for _ in range(prompts):
-        prompt = [rng.randrange(1000, vocab) for _ in range(rng.randint(50, 70))]
+        prompt = [rng.randrange(1000, vocab) for _ in range(rng.randint(*plen))]
         for _ in range(n):
-            resp = [rng.randrange(1000, vocab) for _ in range(rng.randint(30, 200))]
+            resp = [rng.randrange(1000, vocab) for _ in range(rng.randint(*rlen))]
             comps.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-1.0] * len(resp),
                                          finish_reason="stop"))
     return comps
@@ -65,25 +69,42 @@ def new_update(policy, optimizer, batch, adv, algo, temperature: float, mode: st
     policy_update(prec, optimizer, None, batch, adv, algo, temperature, random.Random(0), {})
 
 
+def separate_update(policy, optimizer, batch, adv, algo, temperature: float, mode: str) -> None:
+    """The path before shared prompts: every sequence its own group, so its own row."""
+    alone = copy.copy(batch)
+    alone.groups = list(range(len(batch)))
+    new_update(policy, optimizer, alone, adv, algo, temperature, mode)
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, hi = text.split("-")
+    return int(lo), int(hi)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompt-len", type=span, default=(50, 70))
+    ap.add_argument("--resp", type=span, default=(30, 200))
     ap.add_argument("--variants", default="old-float32,old-autocast,new-float32,new-autocast,new-bfloat16")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     model.requires_grad_(True)
-    batch = make_batch(fake_completions(model.config.vocab_size, args.prompts, args.n), pad=0)
+    batch = make_batch(fake_completions(model.config.vocab_size, args.prompts, args.n, plen=args.prompt_len,
+                                    rlen=args.resp), pad=0)
     B = len(batch)
     # algo: one optimizer step over the whole batch (mini_batch_size = B), micro-batches of --micro sequences
     adv = torch.randn(B, generator=torch.Generator().manual_seed(1))
     resp = int(batch.mask.sum())
-    print(f"batch: {B} sequences, {batch.tokens} tokens ({resp} response), longest {max(map(len, batch.seqs))}, "
+    shared = packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, list(range(B)))
+    print(f"batch: {B} sequences, {batch.tokens} tokens ({resp} response; {shared} with shared prompts), longest "
+          f"{max(map(len, batch.seqs))}, "
           f"micro-batch {args.micro}; threads {torch.get_num_threads()}")
-    fns = {"old": old_update, "new": new_update}
+    fns = {"old": old_update, "separate": separate_update, "new": new_update}
     print("variants are interleaved; each starts from the same weights and a fresh AdamW")
     variants = args.variants.split(",")
     times = {v: [] for v in variants}
@@ -101,7 +122,7 @@ def main() -> None:
                 times[v].append(time.perf_counter() - t)
             print(f"  repeat {rep} {v}: {time.perf_counter() - t:.1f}s", flush=True)
     base = min(times[variants[0]])
-    print(f"\n| path | dtype | update s (best of {args.repeats}) | tokens/s | vs {variants[0]} |")
+    print(f"\n| path | dtype | update s (best of {args.repeats}) | batch tokens/s | vs {variants[0]} |")
     print("|---|---|---|---|---|")
     for v in variants:
         best = min(times[v])

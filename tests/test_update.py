@@ -11,7 +11,7 @@ import torch
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.forward import length_micro_batches, make_batch, sequence_logprobs
+from tailrl.rl.forward import make_batch, micro_batches, sequence_logprobs
 from tailrl.rl.logprobs import head_logprobs
 from tailrl.rl.precision import Precision
 from tailrl.rl.update import mismatch, policy_update
@@ -69,7 +69,7 @@ def test_chunked_head_equals_full_logits_values_and_gradients(chunk):
 
 def test_micro_batches_group_lengths_and_cover_every_sequence():
     batch = make_batch(comps(n=9), pad=0)
-    micros = length_micro_batches(batch, list(range(9)), 4)
+    micros = micro_batches(batch, list(range(9)), 4)
     assert sorted(i for m in micros for i in m) == list(range(9)) and [len(m) for m in micros] == [4, 4, 1]
     lens = [len(batch.seqs[i]) for m in micros for i in m]
     assert lens == sorted(lens, reverse=True)
@@ -86,7 +86,7 @@ def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
     ref_grads = {n: p.grad.clone() for n, p in tiny.named_parameters()}
     tiny.zero_grad(set_to_none=True)
     total = float(batch.mask.sum())
-    for micro in length_micro_batches(batch, list(range(len(batch))), 3):
+    for micro in micro_batches(batch, list(range(len(batch))), 3):
         lp, ent = sequence_logprobs(tiny, batch, micro, 0.8, chunk=4)
         torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
         torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
@@ -152,7 +152,7 @@ def test_skipping_zero_advantage_sequences_gives_the_same_update(tiny):
     algo = AlgoCfg(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, clip_low=0.2, clip_high=0.28)
     from tailrl.rl.update import update_plan
 
-    minis, live = update_plan(len(batch), adv, algo, random.Random(0), has_ref=False)
+    minis, live = update_plan(batch.groups, adv, algo, random.Random(0), has_ref=False)
     assert any(not any(live[i] for i in m) for m in minis), "the case needs a mini-batch with only zero advantages"
     # the same update computed both ways (an all-zero mini-batch after others: Adam's moments move the weights)
     skip, opt_s, m_s = run_update(tiny, batch, adv, algo)
@@ -168,7 +168,7 @@ def test_skipping_zero_advantage_sequences_gives_the_same_update(tiny):
     moved = max(float((p - q).detach().abs().max()) for p, q in zip(skip.parameters(), tiny.parameters()))
     assert moved > 1e-4  # the update did something, so the equality above is not trivial
     # a KL term acts on every sequence: nothing is skipped then
-    assert all(update_plan(len(batch), adv, algo, random.Random(0), has_ref=True)[1])
+    assert all(update_plan(batch.groups, adv, algo, random.Random(0), has_ref=True)[1])
 
 
 def test_all_zero_advantages_still_step_adam_on_zero_gradients(tiny):

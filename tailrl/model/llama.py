@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
 
     def _run_layers(self, x, positions, hidden_layers, step=None, kv=None, attn_mask=None):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        if step is None:
+        if step is None and positions.dim() == 1:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         hidden = {}
         n = len(self.model.layers)
@@ -230,10 +230,13 @@ class CausalLM(nn.Module):
         hidden_layers: tuple[int, ...] = (),
         attn_mask: torch.Tensor | None = None,
         logits_start: int = 0,
+        positions: torch.Tensor | None = None,
     ):
         """Plain causal forward over [B, L] (right padding is harmless under a causal mask); differentiable.
+        attn_mask [B, 1, L, L] and positions [B, L] lay out other shapes (rl/packing.py: responses sharing a prompt).
         Returns (logits [B, L - logits_start, V], {layer: hidden [B, L, H]}); training skips prompt logits."""
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x, hidden = self._run_layers(x, positions, hidden_layers, attn_mask=attn_mask)
         return self.lm_head(x[:, logits_start:]), hidden

@@ -1,13 +1,13 @@
-"""The update's batch and its forward: completions -> a `Batch`; micro-batches of similar length; token logprobs
-and entropies of the response tokens through the chunked LM head (logprobs.py).
+"""The update's batch and its forward: completions -> a `Batch`; micro-batches that keep a prompt's samples together;
+token logprobs and entropies of the response tokens through the chunked LM head (logprobs.py).
 
 Invariants:
 - Values live in one [B, T] layout (`Batch.mask` marks response tokens; column j of row i is the token at
   position `start + 1 + j` of sequence i), whatever micro-batch computed them, so the loss code (algos.py) never
   sees how the forward was cut up.
-- A micro-batch is padded only to its own longest sequence (right padding, harmless under the causal mask), and
-  only response positions reach the LM head: the result equals one padded full-logits forward over the whole batch
-  (tests/test_update.py) within float rounding.
+- The samples of one prompt share one copy of it in the forward (packing.py), segments are padded only to their
+  micro-batch's longest, and only response positions reach the LM head: the result equals one padded
+  full-logits forward over the whole batch (tests/test_update.py, tests/test_packing.py) within float rounding.
 - Under `autocast` the body's matrix products run in bf16 over fp32 master weights (torch.autocast) and the head
   matmul in bf16; softmax, logsumexp and everything after are fp32."""
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .logprobs import CHUNK_ROWS, head_logprobs
+from .packing import group_keys, layout, packed_len, segments
 
 
 @dataclass
@@ -29,6 +30,11 @@ class Batch:
     rollout_lp: torch.Tensor  # [B, T] the engine's logprob of each response token (0 elsewhere)
     start: int  # position whose hidden state predicts column 0
     pad: int = 0
+    groups: list[int] | None = None  # group id per sequence: equal for equal prompt ids (packing.group_keys)
+
+    def __post_init__(self):
+        if self.groups is None:
+            self.groups = group_keys([s[:p] for s, p in zip(self.seqs, self.prompt_lens)])
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -54,11 +60,19 @@ def make_batch(comps, pad: int) -> Batch:
     return Batch(seqs, plens, mask, rollout, start, pad)
 
 
-def length_micro_batches(batch: Batch, idx: list[int], size: int) -> list[list[int]]:
-    """Splits idx into micro-batches of at most `size` sequences, neighbours in length (longest first), so that
-    padding inside a micro-batch is small. The split is a function of the lengths only (deterministic)."""
-    order = sorted(idx, key=lambda i: (-len(batch.seqs[i]), i))
-    return [order[k : k + size] for k in range(0, len(order), size)]
+def micro_batches(batch: Batch, idx: list[int], size: int) -> list[list[int]]:
+    """Splits idx into micro-batches of at most `size` sequences: a prompt's samples stay together (one segment,
+    packing.py; a group larger than `size` is cut), segments of similar packed length share a micro-batch (longest
+    first), so padding is small. A function of the prompts and lengths only (deterministic)."""
+    segs = segments(batch.groups, idx, size)
+    segs.sort(key=lambda g: (-packed_len(batch.seqs, batch.prompt_lens, g), g[0]))
+    out: list[list[int]] = []
+    for g in segs:
+        if out and len(out[-1]) + len(g) <= size:
+            out[-1] = out[-1] + g
+        else:
+            out.append(list(g))
+    return out
 
 
 def autocast_ctx(model, enabled: bool):
@@ -72,27 +86,19 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
     """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask);
     differentiable when grad is enabled."""
     dev = model.device
-    seqs = [batch.seqs[i] for i in idx]
-    L = max(len(s) for s in seqs) - 1
-    toks = torch.full((len(seqs), L), batch.pad, dtype=torch.long)
-    rows, targets, cols = [], [], []
     T = batch.mask.shape[1]
-    for b, (i, s) in enumerate(zip(idx, seqs)):
-        toks[b, : len(s) - 1] = torch.tensor(s[:-1])
-        p = batch.prompt_lens[i]
-        rows.append(torch.arange(p - 1, len(s) - 1) + b * L)  # hidden rows predicting response tokens
-        targets.append(torch.tensor(s[p:]))
-        cols.append(torch.arange(p - 1 - batch.start, len(s) - 1 - batch.start) + b * T)
-    rows, targets, cols = (torch.cat(x).to(dev) for x in (rows, targets, cols))
+    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, idx, batch.start, T, batch.pad, dev)
     n = model.config.num_hidden_layers
+    L = lay.tokens.shape[1]
     with autocast_ctx(model, autocast):
         # logits_start=L: the body only; its last hidden state (after the final norm) goes to the chunked head
-        _, hidden = model.forward_full(toks.to(dev), hidden_layers=(n,), logits_start=L)
-    h = hidden[n].reshape(-1, hidden[n].shape[-1])[rows]
-    lp, ent = head_logprobs(h, model.lm_head.weight, targets, temperature, chunk,
+        _, hidden = model.forward_full(lay.tokens, hidden_layers=(n,), attn_mask=lay.mask, logits_start=L,
+                                       positions=lay.positions)
+    h = hidden[n].reshape(-1, hidden[n].shape[-1])[lay.rows]
+    lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, temperature, chunk,
                             torch.bfloat16 if autocast else None)
-    zeros = torch.zeros(len(seqs) * T, device=dev)
-    return zeros.scatter(0, cols, lp).view(-1, T), zeros.scatter(0, cols, ent).view(-1, T)
+    zeros = torch.zeros(len(idx) * T, device=dev)
+    return zeros.scatter(0, lay.cols, lp).view(-1, T), zeros.scatter(0, lay.cols, ent).view(-1, T)
 
 
 def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False,
@@ -103,6 +109,6 @@ def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autoca
     pos = {i: k for k, i in enumerate(idx)}
     out = torch.zeros(len(idx), batch.mask.shape[1])
     with torch.inference_mode():
-        for ids in length_micro_batches(batch, idx, micro):
+        for ids in micro_batches(batch, idx, micro):
             out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
     return out

@@ -1,5 +1,5 @@
 """The policy update of one RL step: old/reference logprobs, PPO-clipped mini-batch steps with gradient
-accumulation over length-grouped micro-batches, truncated importance sampling, and the non-finite guard.
+accumulation over micro-batches in which a prompt's samples share one copy of it (packing.py), truncated importance sampling, and the non-finite guard.
 
 Invariants:
 - `optimizer.step()` runs only when the mini-batch loss and the gradient norm are finite; otherwise the
@@ -22,7 +22,8 @@ import time
 import torch
 
 from .algos import aggregate, kl_penalty, policy_loss
-from .forward import Batch, length_micro_batches, no_grad_logprobs, sequence_logprobs
+from .forward import Batch, micro_batches, no_grad_logprobs, sequence_logprobs
+from .packing import packed_tokens
 from .precision import Precision
 
 STATS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
@@ -35,15 +36,24 @@ def mismatch(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Ten
     return {"rollout/logprob_diff": float(d.sum() / mask.sum().clamp_min(1)), "rollout/logprob_diff_max": float(d.max())}
 
 
-def update_plan(B: int, advantages: torch.Tensor, algo, rng: random.Random, has_ref: bool) -> tuple[list, list[bool]]:
-    """The mini-batches of every PPO epoch (one shuffle per epoch, as the loop used to draw them) and which
-    sequences need a forward/backward. A sequence whose advantage is exactly 0 (its whole GRPO group got the same
-    reward) has a zero policy-gradient loss and a zero gradient, so it is left out when nothing else acts on it
+def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.Random,
+                has_ref: bool) -> tuple[list, list[bool]]:
+    """The mini-batches of every PPO epoch and which sequences need a forward/backward.
+
+    groups: a group id per sequence (the samples of one prompt). Each epoch shuffles the groups' order and cuts the
+    sequences, a group's samples next to each other, into mini-batches, as verl does: a prompt's samples then share
+    one copy of it in the forward (packing.py). A sequence whose advantage is exactly 0 (its whole GRPO group got the
+    same reward) has a zero policy-gradient loss and a zero gradient, so it is left out when nothing else acts on it
     (no KL term); the mini-batch partition and every loss normaliser stay those of the whole batch."""
+    B = len(groups)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    keys = list(members)
     minis = []
     for _ in range(algo.ppo_epochs):
-        order = list(range(B))
-        rng.shuffle(order)
+        rng.shuffle(keys)
+        order = [i for g in keys for i in members[g]]
         minis += [order[m0 : m0 + algo.mini_batch_size] for m0 in range(0, B, algo.mini_batch_size)]
     if not algo.skip_zero_advantage or has_ref:
         return minis, [True] * B
@@ -62,7 +72,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     a, policy, autocast = algo, prec.model, prec.autocast
     B = advantages.shape[0]
     mask = batch.mask
-    minis, live = update_plan(B, advantages, a, rng, ref is not None)
+    minis, live = update_plan(batch.groups, advantages, a, rng, ref is not None)
     live_rows = [i for i in range(B) if live[i]]
     first = set(minis[0])
     t = time.perf_counter()
@@ -89,10 +99,10 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         optimizer.zero_grad(set_to_none=True)
         prec.zero_grad()
         step = dict.fromkeys(sums, 0.0)
-        for micro in length_micro_batches(batch, rows, a.micro_batch_size):
+        for micro in micro_batches(batch, rows, a.micro_batch_size):
             m = mask[micro].to(policy.device)
             logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
-            computed += sum(len(batch.seqs[i]) - 1 for i in micro)
+            computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
             if k == 0:
                 old[micro] = logp.detach().to(old.device)
             old_lp = old[micro].to(logp.device)

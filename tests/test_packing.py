@@ -1,0 +1,103 @@
+"""A prompt's samples share one copy of the prompt in the update's forward (rl/packing.py): each member's token
+logprobs, entropies and the gradient of a PPO loss equal those of one padded full-logits forward over separate
+sequences, while the forward computes fewer tokens; mini-batches keep a group's samples together."""
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tailrl.config import AlgoCfg
+from tailrl.rl.algos import policy_loss
+from tailrl.rl.forward import make_batch, micro_batches, sequence_logprobs
+from tailrl.rl.packing import layout, packed_tokens
+from tailrl.rl.update import update_plan
+from tests.test_update import GRAD_ATOL, GRAD_RTOL, VALUE_TOL, padded_reference, tiny  # noqa: F401 (fixture)
+
+
+def group_comps(seed: int = 0, prompts: int = 3, n: int = 4):
+    """n samples per prompt, prompt-major, with a 1-token response and an empty one among them."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(prompts):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(4, 10))]
+        for k in range(n):
+            n_resp = 1 if (g, k) == (0, 1) else 0 if (g, k) == (1, 2) else rng.randint(2, 15)
+            resp = [rng.randrange(3, 96) for _ in range(n_resp)]
+            out.append(SimpleNamespace(prompt_token_ids=list(prompt), token_ids=resp, logprobs=[-2.0] * n_resp))
+    return out
+
+
+def test_layout_restarts_positions_and_hides_siblings():
+    batch = make_batch(group_comps(prompts=1, n=3), pad=0)
+    T = batch.mask.shape[1]
+    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, [0, 1, 2], batch.start, T, 0, "cpu")
+    p = batch.prompt_lens[0]
+    r = [len(s) - p for s in batch.seqs]
+    assert lay.tokens.shape == (1, p + sum(n - 1 for n in r)) and lay.computed == lay.tokens.shape[1]
+    pos = lay.positions[0].tolist()
+    assert pos[:p] == list(range(p)) and pos[p : p + r[0] - 1] == list(range(p, p + r[0] - 1))
+    assert pos[p + r[0] - 1 :][: r[2] - 1] == list(range(p, p + r[2] - 1))  # member 1 has one token: no row
+    m = lay.mask[0, 0]
+    a, b = p, p + r[0] - 1  # member 0's first row, member 2's first row
+    assert bool(m[b, :p].all()) and not bool(m[b, a : b].any()) and bool(m[b, b]) and not bool(m[a, b])
+    # every member's first token is predicted from the prompt's last row
+    first = [0, r[0], r[0] + r[1]]
+    assert [int(lay.rows[k]) for k in first] == [p - 1] * 3
+    assert lay.targets.tolist() == sum((s[p:] for s in batch.seqs), [])
+
+
+def test_shared_prompt_forward_equals_separate_sequences_values_and_gradients(tiny):
+    batch = make_batch(group_comps(), pad=0)
+    B = len(batch)
+    idx = list(range(B))
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(3))
+    ref_lp, ref_ent = padded_reference(tiny, batch, 0.8)
+    loss, _ = policy_loss(ref_lp, ref_lp.detach(), adv, batch.mask, 0.2, 0.28, "token-mean")
+    loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in tiny.named_parameters()}
+    tiny.zero_grad(set_to_none=True)
+    micros = micro_batches(batch, idx, 4)
+    assert len(micros) == 3 and all(len(m) == 4 and len({batch.groups[i] for i in m}) == 1 for m in micros)
+    assert packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, idx) < batch.tokens
+    total = float(batch.mask.sum())
+    for micro in micros:
+        lp, ent = sequence_logprobs(tiny, batch, micro, 0.8, chunk=5)
+        torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
+        torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
+        m = batch.mask[micro]
+        part, _ = policy_loss(lp, lp.detach(), adv[micro], m, 0.2, 0.28, "token-mean")
+        (part * float(m.sum()) / total).backward()
+    for n, p in tiny.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_groups_cut_and_mixed_across_micro_batches(tiny):
+    """Micro-batches of 3 over groups of 4: each group is cut into 3 + 1 samples, and the single samples of
+    different prompts share a micro-batch (padded segment rows, one of them causal only)."""
+    batch = make_batch(group_comps(seed=5, prompts=3, n=4), pad=0)
+    ref_lp, _ = padded_reference(tiny, batch, 1.0)
+    micros = micro_batches(batch, list(range(len(batch))), 3)
+    assert sorted(i for m in micros for i in m) == list(range(len(batch))) and max(map(len, micros)) <= 3
+    assert any(len({batch.groups[i] for i in m}) == 3 for m in micros)
+    assert all(sum(batch.groups[i] == g for m in micros for i in m) == 4 for g in range(3))
+    with torch.no_grad():
+        for micro in micros:
+            lp, _ = sequence_logprobs(tiny, batch, micro, 1.0)
+            torch.testing.assert_close(lp, ref_lp[micro], atol=VALUE_TOL, rtol=0)
+
+
+def test_mini_batches_keep_a_groups_samples_together():
+    groups = [g for g in range(6) for _ in range(4)]
+    algo = AlgoCfg(mini_batch_size=8, micro_batch_size=4, ppo_epochs=2)
+    minis, live = update_plan(groups, torch.ones(24), algo, random.Random(0), has_ref=False)
+    assert len(minis) == 6 and all(live)
+    for e in range(2):
+        epoch = minis[3 * e : 3 * e + 3]
+        assert sorted(i for m in epoch for i in m) == list(range(24))
+        for m in epoch:  # two whole groups per mini-batch
+            assert sorted(Counter(groups[i] for i in m).values()) == [4, 4]
+    assert minis[:3] != minis[3:]  # each epoch shuffles the groups' order
