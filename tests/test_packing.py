@@ -30,22 +30,23 @@ def group_comps(seed: int = 0, prompts: int = 3, n: int = 4):
     return out
 
 
-def test_layout_restarts_positions_and_hides_siblings():
+def test_layout_packs_rows_and_hides_siblings():
     batch = make_batch(group_comps(prompts=1, n=3), pad=0)
     T = batch.mask.shape[1]
-    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, [0, 1, 2], batch.start, T, 0, "cpu")
+    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, [0, 1, 2], batch.start, T, "cpu")
     p = batch.prompt_lens[0]
     r = [len(s) - p for s in batch.seqs]
-    assert lay.tokens.shape == (1, p + sum(n - 1 for n in r)) and lay.computed == lay.tokens.shape[1]
-    pos = lay.positions[0].tolist()
-    assert pos[:p] == list(range(p)) and pos[p : p + r[0] - 1] == list(range(p, p + r[0] - 1))
-    assert pos[p + r[0] - 1 :][: r[2] - 1] == list(range(p, p + r[2] - 1))  # member 1 has one token: no row
-    m = lay.mask[0, 0]
-    a, b = p, p + r[0] - 1  # member 0's first row, member 2's first row
-    assert bool(m[b, :p].all()) and not bool(m[b, a : b].any()) and bool(m[b, b]) and not bool(m[a, b])
-    # every member's first token is predicted from the prompt's last row
+    assert r[1] == 1  # member 1 has one token: it adds no row, its token is predicted from the prompt's last
+    assert lay.tokens.tolist() == batch.seqs[0][:p] + batch.seqs[0][p:-1] + batch.seqs[2][p:-1]
+    assert lay.computed == len(lay.tokens) == p + (r[0] - 1) + (r[2] - 1)
+    assert lay.positions.tolist() == list(range(p)) + list(range(p, p + r[0] - 1)) + list(range(p, p + r[2] - 1))
+    sh = lay.shared
+    assert (sh.S, sh.P, sh.M, sh.R) == (1, p, 3, max(r) - 1) and sh.seg_of.tolist() == [0, 0, 0]
+    assert sh.r_idx.tolist() == list(range(r[0] - 1)) + list(range(2 * sh.R, 2 * sh.R + r[2] - 1))
+    m = sh.mask[2, 0]  # member 2: the whole prompt, its own keys causally
+    assert bool(m[:, :p].all()) and torch.equal(m[:, p:], torch.ones(sh.R, sh.R, dtype=torch.bool).tril())
     first = [0, r[0], r[0] + r[1]]
-    assert [int(lay.rows[k]) for k in first] == [p - 1] * 3
+    assert [int(lay.rows[k]) for k in first] == [p - 1] * 3  # every first token from the prompt's last row
     assert lay.targets.tolist() == sum((s[p:] for s in batch.seqs), [])
 
 

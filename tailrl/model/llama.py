@@ -1,12 +1,14 @@
 """One implementation of the Llama family (Llama, SmolLM2, Qwen2, Qwen3) with Hugging Face parameter names.
 
-Two forwards share the weights: `forward` runs new tokens of many sequences against a KV cache (prefill,
-decode, or a draft tree in one pass); `forward_full` is the plain causal pass over whole sequences that
-training differentiates through."""
+Three forwards share the weights: `forward` runs new tokens of many sequences against a KV cache (prefill,
+decode, or a draft tree in one pass); `forward_full` is the plain causal pass over whole sequences;
+`forward_shared` is the pass training differentiates through, in which responses to one prompt attend to one copy
+of it (rl/packing.py)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,23 @@ from torch import nn
 
 from .config import ModelConfig
 from .step import StepMeta
+
+
+@dataclass
+class SharedPrompts:
+    """The layout of `CausalLM.forward_shared`. Rows come packed, with no padding: the S prompts' tokens, then the M
+    responses' input tokens. The attention lays them out on grids, prompts [S, P] and responses [M, R] (p_idx and
+    r_idx: each packed row's place there); response m continues prompt seg_of[m], and mask [M, 1, R, P + R] says
+    which of its prompt's keys (the real ones) and of its own (causally) each response row sees."""
+
+    S: int
+    P: int
+    M: int
+    R: int
+    p_idx: torch.Tensor  # [prompt rows] index into S * P
+    r_idx: torch.Tensor  # [response rows] index into M * R
+    seg_of: torch.Tensor  # [M]
+    mask: torch.Tensor  # [M, 1, R, P + R] bool
 
 
 class RMSNorm(nn.Module):
@@ -125,6 +144,25 @@ class Attention(nn.Module):
         o = o.transpose(1, 2).reshape(step.num_seqs * step.max_q, self.n_heads * self.head_dim)
         return o if step.pad_idx is None else o[step.pad_idx]
 
+    def forward_shared(self, x, cos, sin, lay: SharedPrompts) -> torch.Tensor:
+        """x [prompt rows + response rows, H], packed. A prompt attends causally to itself; a response to its
+        prompt's keys (gathered, so the backward sums their gradients) and causally to its own."""
+        S, P, M, R, n_p = lay.S, lay.P, lay.M, lay.R, lay.p_idx.shape[0]
+        q, k, v = self._qkv(x, cos, sin)  # [N, heads, D]
+        gqa = self.n_kv != self.n_heads
+
+        def grids(t):
+            p = t.new_zeros(S * P, *t.shape[1:]).index_put((lay.p_idx,), t[:n_p])
+            r = t.new_zeros(M * R, *t.shape[1:]).index_put((lay.r_idx,), t[n_p:])
+            return p.view(S, P, *t.shape[1:]).transpose(1, 2), r.view(M, R, *t.shape[1:]).transpose(1, 2)
+
+        (qp, qr), (kp, kr), (vp, vr) = grids(q), grids(k), grids(v)
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
+        keys, vals = torch.cat([kp[lay.seg_of], kr], dim=2), torch.cat([vp[lay.seg_of], vr], dim=2)
+        orr = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=lay.mask, enable_gqa=gqa)
+        o = torch.cat([op.transpose(1, 2).reshape(S * P, -1)[lay.p_idx], orr.transpose(1, 2).reshape(M * R, -1)[lay.r_idx]])
+        return self.o_proj(o)
+
     def forward_full(self, x, cos, sin, attn_mask=None) -> torch.Tensor:
         B, L, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)  # [B, L, heads, D]
@@ -154,10 +192,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, step=None, kv=None, attn_mask=None):
+    def forward(self, x, cos, sin, step=None, kv=None, attn_mask=None, shared=None):
         h = self.input_layernorm(x)
         if step is not None:
             x = x + self.self_attn.forward_cached(h, cos, sin, step, kv)
+        elif shared is not None:
+            x = x + self.self_attn.forward_shared(h, cos, sin, shared)
         else:
             x = x + self.self_attn.forward_full(h, cos, sin, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -191,16 +231,16 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def _run_layers(self, x, positions, hidden_layers, step=None, kv=None, attn_mask=None):
+    def _run_layers(self, x, positions, hidden_layers, step=None, kv=None, attn_mask=None, shared=None):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        if step is None and positions.dim() == 1:
+        if step is None and shared is None:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         hidden = {}
         n = len(self.model.layers)
         if 0 in hidden_layers:
             hidden[0] = x
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, step, kv, attn_mask)
+            x = layer(x, cos, sin, step, kv, attn_mask, shared)
             if i + 1 in hidden_layers and i + 1 < n:
                 hidden[i + 1] = x
         x = self.model.norm(x)
@@ -224,19 +264,22 @@ class CausalLM(nn.Module):
             x = x[logits_idx]
         return self.lm_head(x), hidden
 
+    def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:
+        """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/packing.py builds it).
+        Returns the last hidden state after the final norm, one row per input token; differentiable."""
+        x, _ = self._run_layers(self.model.embed_tokens(input_ids), positions, (), shared=lay)
+        return x
+
     def forward_full(
         self,
         input_ids: torch.Tensor,
         hidden_layers: tuple[int, ...] = (),
         attn_mask: torch.Tensor | None = None,
         logits_start: int = 0,
-        positions: torch.Tensor | None = None,
     ):
         """Plain causal forward over [B, L] (right padding is harmless under a causal mask); differentiable.
-        attn_mask [B, 1, L, L] and positions [B, L] lay out other shapes (rl/packing.py: responses sharing a prompt).
         Returns (logits [B, L - logits_start, V], {layer: hidden [B, L, H]}); training skips prompt logits."""
         x = self.model.embed_tokens(input_ids)
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x, hidden = self._run_layers(x, positions, hidden_layers, attn_mask=attn_mask)
         return self.lm_head(x[:, logits_start:]), hidden

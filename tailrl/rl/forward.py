@@ -87,14 +87,10 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
     differentiable when grad is enabled."""
     dev = model.device
     T = batch.mask.shape[1]
-    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, idx, batch.start, T, batch.pad, dev)
-    n = model.config.num_hidden_layers
-    L = lay.tokens.shape[1]
+    lay = layout(batch.seqs, batch.prompt_lens, batch.groups, idx, batch.start, T, dev)
     with autocast_ctx(model, autocast):
-        # logits_start=L: the body only; its last hidden state (after the final norm) goes to the chunked head
-        _, hidden = model.forward_full(lay.tokens, hidden_layers=(n,), attn_mask=lay.mask, logits_start=L,
-                                       positions=lay.positions)
-    h = hidden[n].reshape(-1, hidden[n].shape[-1])[lay.rows]
+        hidden = model.forward_shared(lay.tokens, lay.positions, lay.shared)  # the body only: rows go to the head
+    h = hidden[lay.rows]
     lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, temperature, chunk,
                             torch.bfloat16 if autocast else None)
     zeros = torch.zeros(len(idx) * T, device=dev)

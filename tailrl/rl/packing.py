@@ -1,21 +1,20 @@
 """The update's forward layout: the samples of one prompt (a GRPO group) share one copy of the prompt.
 
 A GRPO step computes n responses to each prompt. Laid out one sequence per row, the forward and backward run the
-prompt n times; here a micro-batch's sequences with the same prompt ids form a *segment*, one row of
+prompt n times. Here a micro-batch's sequences with the same prompt ids form a *segment*: its prompt runs once,
+causally, and each member's response runs as its own row whose attention reads the prompt's keys and values
+(gathered, not recomputed) and then its own, causally (`CausalLM.forward_shared`). A response's RoPE positions
+continue from the prompt's end, as in its own sequence. The prompt's last hidden row predicts every member's first
+token; a response's rows predict the rest (a response's last token is never an input). So each member's token
+logprobs are those of its own sequence, and the gradient reaching the shared prompt rows is the sum of the members'
+gradients: the same computation in another summation order (tests/test_packing.py). With responses of about the
+prompt's length and groups of 8, a step computes about half the tokens; the attention reads each response's own
+rows and its prompt, never another response (a single row with a block mask would spend most of it on masked
+pairs).
 
-    prompt, response_1[:-1], response_2[:-1], ..., response_k[:-1]
-
-with RoPE positions restarting after the prompt for every response (each response's first token sits at position
-len(prompt), as in its own sequence) and a mask under which a response's rows see the prompt and their own earlier
-tokens, never another response. The prompt's last hidden row predicts every member's first token; a response's
-own rows predict the rest. So each member's token logprobs are those of its own sequence, and the gradient reaching
-the shared prompt rows is the sum of the members' gradients: the same computation in another summation order
-(tests/test_packing.py). With responses of about the prompt's length and groups of 8, a step computes about half
-the tokens.
-
-A segment of one sequence is that sequence's plain causal row; a micro-batch in which every segment has one member
-runs the causal kernel with no mask, as before. Segments are right-padded to the micro-batch's longest: harmless,
-since no real row sees a padded column (padded rows see only the prompt, so their softmax stays finite)."""
+Rows are packed without padding through every matrix product; only the attention lays them out on padded grids
+(prompts [S, P], responses [M, R]), where no real row sees a padded key (a padded response row sees its prompt, so
+its softmax stays finite)."""
 
 from __future__ import annotations
 
@@ -23,13 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.llama import SharedPrompts
+
 
 @dataclass
 class Layout:
-    tokens: torch.Tensor  # [S, L] input ids, one row per segment
-    positions: torch.Tensor  # [S, L] RoPE positions
-    mask: torch.Tensor | None  # [S, 1, L, L] bool (True = may attend), None = plain causal
-    rows: torch.Tensor  # [N] flat index into S * L of the hidden row that predicts each response token
+    tokens: torch.Tensor  # [rows] input ids, packed: the prompts' tokens, then the responses' inputs
+    positions: torch.Tensor  # [rows] RoPE positions
+    shared: SharedPrompts
+    rows: torch.Tensor  # [N] index into the forward's rows of the hidden state that predicts each response token
     targets: torch.Tensor  # [N] the response tokens
     cols: torch.Tensor  # [N] flat index into [len(idx), T] (the Batch's layout) of each response token
     computed: int  # real tokens in the forward (no padding)
@@ -60,45 +61,48 @@ def packed_tokens(seqs: list[list[int]], prompt_lens: list[int], groups: list[in
 
 
 def layout(seqs: list[list[int]], prompt_lens: list[int], groups: list[int], idx: list[int], start: int, T: int,
-           pad: int, device) -> Layout:
+           device) -> Layout:
     """The forward layout of the sequences idx (a micro-batch). seqs: prompt + response ids; start and T: the
     Batch's [B, T] response layout (column j of a row is the token at position start + 1 + j)."""
     segs = segments(groups, idx, len(idx))
-    L = max(packed_len(seqs, prompt_lens, s) for s in segs)
-    S = len(segs)
-    tokens = torch.full((S, L), pad, dtype=torch.long)
-    positions = torch.zeros(S, L, dtype=torch.long)
-    part = torch.full((S, L), -1, dtype=torch.long)  # 0: the prompt, k >= 1: the k-th member's response
+    S, P = len(segs), max(prompt_lens[g[0]] for g in segs)
+    members = [(s, i) for s, g in enumerate(segs) for i in g]
+    M = len(members)
+    R = max(1, max(len(seqs[i]) - prompt_lens[i] - 1 for _, i in members))
+    toks, pos, p_idx, r_idx = [], [], [], []
+    first = []  # packed row of each segment's last prompt token
+    for s, g in enumerate(segs):
+        p = prompt_lens[g[0]]
+        first.append(len(toks) + p - 1)
+        toks += seqs[g[0]][:p]
+        pos += range(p)
+        p_idx += range(s * P, s * P + p)
     rows, targets, cols = [], [], []
     where = {i: u for u, i in enumerate(idx)}
-    computed = 0
-    for r, seg in enumerate(segs):
-        p = prompt_lens[seg[0]]
-        tokens[r, :p] = torch.tensor(seqs[seg[0]][:p])
-        positions[r, :p] = torch.arange(p)
-        part[r, :p] = 0
-        off = p
-        for k, i in enumerate(seg, start=1):
-            resp = seqs[i][p:]
-            n = len(resp)
-            if n == 0:
-                continue
-            tokens[r, off : off + n - 1] = torch.tensor(resp[:-1], dtype=torch.long)
-            positions[r, off : off + n - 1] = torch.arange(p, p + n - 1)
-            part[r, off : off + n - 1] = k
-            rows.append(torch.cat([torch.tensor([p - 1]), torch.arange(off, off + n - 1)]) + r * L)
-            targets.append(torch.tensor(resp))
-            c0 = p - 1 - start
-            cols.append(torch.arange(c0, c0 + n) + where[i] * T)
-            off += n - 1
-        computed += off
-    mask = None
-    if any(len(s) > 1 for s in segs):
-        a = torch.arange(L)
-        causal = a.view(1, L, 1) >= a.view(1, 1, L)
-        same = (part.unsqueeze(2) == part.unsqueeze(1)) | (part == 0).unsqueeze(1)
-        mask = (causal & same).unsqueeze(1)
-    empty = torch.zeros(0, dtype=torch.long)
-    cat = (lambda xs: torch.cat(xs).to(device)) if rows else (lambda xs: empty.to(device))
-    return Layout(tokens.to(device), positions.to(device), None if mask is None else mask.to(device), cat(rows),
-                  cat(targets), cat(cols), computed)
+    for m, (s, i) in enumerate(members):
+        p = prompt_lens[i]
+        resp = seqs[i][p:]
+        n = len(resp)
+        if n == 0:
+            continue
+        rows.append([first[s]] + list(range(len(toks), len(toks) + n - 1)))
+        toks += resp[:-1]
+        pos += range(p, p + n - 1)
+        r_idx += range(m * R, m * R + n - 1)
+        targets.append(resp)
+        c0 = p - 1 - start + where[i] * T
+        cols.append(list(range(c0, c0 + n)))
+    seg_of = torch.tensor([s for s, _ in members])
+    plen = torch.tensor([prompt_lens[g[0]] for g in segs])
+    real_prompt = torch.arange(P).view(1, P) < plen[seg_of].view(M, 1)  # [M, P]
+    causal = torch.ones(R, R, dtype=torch.bool).tril()
+    mask = torch.cat([real_prompt.view(M, 1, P).expand(M, R, P), causal.expand(M, R, R)], dim=2).unsqueeze(1)
+
+    def t(xs):
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    def flat(xss):
+        return t([x for xs in xss for x in xs])
+
+    shared = SharedPrompts(S, P, M, R, t(p_idx), t(r_idx), seg_of.to(device), mask.to(device))
+    return Layout(t(toks), t(pos), shared, flat(rows), flat(targets), flat(cols), len(toks))

@@ -1,5 +1,6 @@
 """The policy update of one RL step: old/reference logprobs, PPO-clipped mini-batch steps with gradient
-accumulation over micro-batches in which a prompt's samples share one copy of it (packing.py), truncated importance sampling, and the non-finite guard.
+accumulation over micro-batches in which a prompt's samples share one copy of it (packing.py), truncated
+importance sampling, and the non-finite guard.
 
 Invariants:
 - `optimizer.step()` runs only when the mini-batch loss and the gradient norm are finite; otherwise the
