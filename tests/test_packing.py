@@ -6,15 +6,13 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from tailrl.config import AlgoCfg
-from tailrl.rl.algos import policy_loss
 from tailrl.rl.forward import make_batch, micro_batches, sequence_logprobs
 from tailrl.rl.packing import layout, packed_tokens
 from tailrl.rl.update import update_plan
-from tests.test_update import GRAD_ATOL, GRAD_RTOL, VALUE_TOL, padded_reference, tiny  # noqa: F401 (fixture)
+from tests.test_update import VALUE_TOL, assert_micro_batches_match_padded, padded_reference, tiny  # noqa: F401
 
 
 def group_comps(seed: int = 0, prompts: int = 3, n: int = 4):
@@ -55,25 +53,10 @@ def test_shared_prompt_forward_equals_separate_sequences_values_and_gradients(ti
     B = len(batch)
     idx = list(range(B))
     adv = torch.randn(B, generator=torch.Generator().manual_seed(3))
-    ref_lp, ref_ent = padded_reference(tiny, batch, 0.8)
-    loss, _ = policy_loss(ref_lp, ref_lp.detach(), adv, batch.mask, 0.2, 0.28, "token-mean")
-    loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in tiny.named_parameters()}
-    tiny.zero_grad(set_to_none=True)
     micros = micro_batches(batch, idx, 4)
     assert len(micros) == 3 and all(len(m) == 4 and len({batch.groups[i] for i in m}) == 1 for m in micros)
     assert packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, idx) < batch.tokens
-    total = float(batch.mask.sum())
-    for micro in micros:
-        lp, ent = sequence_logprobs(tiny, batch, micro, 0.8, chunk=5)
-        torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
-        torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
-        m = batch.mask[micro]
-        part, _ = policy_loss(lp, lp.detach(), adv[micro], m, 0.2, 0.28, "token-mean")
-        (part * float(m.sum()) / total).backward()
-    for n, p in tiny.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
-    tiny.zero_grad(set_to_none=True)
+    assert_micro_batches_match_padded(tiny, batch, micros, adv, chunk=5)
 
 
 def test_groups_cut_and_mixed_across_micro_batches(tiny):

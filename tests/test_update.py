@@ -1,5 +1,5 @@
 """The update's forward: chunked LM-head logprobs and entropies equal the full-logits ones (values and gradients),
-length-grouped micro-batches equal one padded batch, bf16 compute with fp32 master weights accumulates in fp32,
+micro-batches equal one padded batch, bf16 compute with fp32 master weights accumulates in fp32,
 and truncated importance sampling weighs each token's loss."""
 
 import random
@@ -75,27 +75,33 @@ def test_micro_batches_group_lengths_and_cover_every_sequence():
     assert lens == sorted(lens, reverse=True)
 
 
-def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
-    """Values and the gradient of a PPO loss: micro-batches of 3 (each padded to its own longest, head in chunks
-    of 4 rows) against one padded full-logits forward over the whole batch."""
-    batch = make_batch(comps(), pad=0)
-    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
-    ref_lp, ref_ent = padded_reference(tiny, batch, 0.8)
+def assert_micro_batches_match_padded(model, batch, micros, adv, chunk: int) -> None:
+    """Values and the gradient of a PPO loss summed over the micro-batches equal one padded full-logits forward over
+    the whole batch (fp32 tolerances above)."""
+    ref_lp, ref_ent = padded_reference(model, batch, 0.8)
     loss, _ = policy_loss(ref_lp, ref_lp.detach(), adv, batch.mask, 0.2, 0.28, "token-mean")
     loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in tiny.named_parameters()}
-    tiny.zero_grad(set_to_none=True)
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     total = float(batch.mask.sum())
-    for micro in micro_batches(batch, list(range(len(batch))), 3):
-        lp, ent = sequence_logprobs(tiny, batch, micro, 0.8, chunk=4)
+    for micro in micros:
+        lp, ent = sequence_logprobs(model, batch, micro, 0.8, chunk=chunk)
         torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
         torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
         m = batch.mask[micro]
         part, _ = policy_loss(lp, lp.detach(), adv[micro], m, 0.2, 0.28, "token-mean")
         (part * float(m.sum()) / total).backward()
-    for n, p in tiny.named_parameters():
+    for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
-    tiny.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+
+
+def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
+    """Values and the gradient of a PPO loss: micro-batches of 3 (head in chunks of 4 rows) against one padded
+    full-logits forward over the whole batch."""
+    batch = make_batch(comps(), pad=0)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+    assert_micro_batches_match_padded(tiny, batch, micro_batches(batch, list(range(len(batch))), 3), adv, chunk=4)
 
 
 def test_bf16_compute_keeps_fp32_master_and_refreshes_the_copy(tiny):
