@@ -5,8 +5,8 @@ Invariants:
 - Values live in one [B, T] layout (`Batch.mask` marks response tokens; column j of row i is the token at
   position `start + 1 + j` of sequence i), whatever micro-batch computed them, so the loss code (algos.py) never
   sees how the forward was cut up.
-- The samples of one prompt share one copy of it in the forward (packing.py), segments are padded only to their
-  micro-batch's longest, and only response positions reach the LM head: the result equals one padded
+- The samples of one prompt share one copy of it in the forward (packing.py), rows are packed without padding
+  through every matrix product, and only response positions reach the LM head: the result equals one padded
   full-logits forward over the whole batch (tests/test_update.py, tests/test_packing.py) within float rounding.
 - Under `autocast` the body's matrix products run in bf16 over fp32 master weights (torch.autocast) and the head
   matmul in bf16; softmax, logsumexp and everything after are fp32."""

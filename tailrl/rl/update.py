@@ -24,7 +24,7 @@ import torch
 
 from .algos import aggregate, kl_penalty, policy_loss
 from .forward import Batch, micro_batches, no_grad_logprobs, sequence_logprobs
-from .packing import packed_tokens
+from .packing import packed_tokens, segments
 from .precision import Precision
 
 STATS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
@@ -47,14 +47,11 @@ def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.R
     same reward) has a zero policy-gradient loss and a zero gradient, so it is left out when nothing else acts on it
     (no KL term); the mini-batch partition and every loss normaliser stay those of the whole batch."""
     B = len(groups)
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    keys = list(members)
+    members = segments(groups, list(range(B)), B)  # each group's sequences, in index order
     minis = []
     for _ in range(algo.ppo_epochs):
-        rng.shuffle(keys)
-        order = [i for g in keys for i in members[g]]
+        rng.shuffle(members)
+        order = [i for g in members for i in g]
         minis += [order[m0 : m0 + algo.mini_batch_size] for m0 in range(0, B, algo.mini_batch_size)]
     if not algo.skip_zero_advantage or has_ref:
         return minis, [True] * B
