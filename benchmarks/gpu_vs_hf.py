@@ -61,12 +61,19 @@ def parity(model, tok, ref, device: str, tokens: int, tie: float) -> None:
           f"top-1 agreement {agree}/{n} positions")
     eng = engine(model, tok, True)
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    eos = ref.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     same = tied = 0
     for k, (p, c) in enumerate(zip(ps, outs)):
         ids = torch.tensor([p], device=device)
-        hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+        # no min_new_tokens: it masks EOS in HF's logits, so HF would take the runner-up where the engine (which
+        # ignores EOS only to keep going) emits EOS; both are compared up to the first EOS instead
+        hf = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
                           do_sample=False)[0, len(p):].tolist()
-        i = next((j for j, (x, y) in enumerate(zip(c.token_ids, hf)) if x != y), None)
+        ours, hf = _until_eos(c.token_ids, eos), _until_eos(hf, eos)
+        i = next((j for j, (x, y) in enumerate(zip(ours, hf)) if x != y), None)
+        if i is None and len(ours) != len(hf):  # one stopped at EOS where the other went on
+            i = min(len(ours), len(hf))
         if i is None:
             same += 1
             continue
@@ -77,6 +84,12 @@ def parity(model, tok, ref, device: str, tokens: int, tie: float) -> None:
               f" ({'a tie' if margin < tie else 'NOT a tie'})")
     print(f"Greedy, {tokens} tokens: {same}/{len(ps)} identical, {tied} differ at a tie (< {tie}), "
           f"{len(ps) - same - tied} differ otherwise")
+
+
+def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """ids up to and including the first EOS."""
+    i = next((j for j, t in enumerate(ids) if t in eos), None)
+    return list(ids) if i is None else list(ids[: i + 1])
 
 
 def timed(fn, repeats: int = 2) -> float:
