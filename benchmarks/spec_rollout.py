@@ -44,6 +44,11 @@ def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def steady(st) -> float:
+    """Tokens/s of a generate call without its one-time CUDA-graph captures (a long run amortises them)."""
+    return rate(st.generated_tokens, st.total_s - st.capture_s)
+
+
 def bucket_name(b: int) -> str:
     lo, hi = (1 << (b - 1)) + 1 if b else 1, 1 << b
     return f"{lo}" if lo == hi else f"{lo}-{hi}"
@@ -71,14 +76,15 @@ def report(args, temperature: float, result: dict) -> None:
     print("| epoch | off tok/s | auto tok/s | speedup | off tail tok/s | auto tail tok/s | tail speedup | "
           "accept len history | accept len ngram | mean resp len off / auto |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    tot = {"off": [0, 0.0, 0, 0.0], "auto": [0, 0.0, 0, 0.0]}
+    tot = {"off": [0, 0.0, 0, 0.0, 0.0], "auto": [0, 0.0, 0, 0.0, 0.0]}
     buckets: dict[str, dict[int, list[float]]] = {"off": {}, "auto": {}}
     for e, res in enumerate(rows):
         so, ta = res["off"][0], res["auto"][0]
         for name in ("off", "auto"):
             st = res[name][0]
             tot[name][0] += st.generated_tokens
-            tot[name][1] += st.total_s
+            tot[name][1] += st.total_s - st.capture_s
+            tot[name][4] += st.capture_s
             tot[name][2] += st.tail_tokens
             tot[name][3] += st.tail_s
             for b, (n, s) in st.by_bucket.items():
@@ -86,7 +92,7 @@ def report(args, temperature: float, result: dict) -> None:
                 cell[0] += n
                 cell[1] += s
         lens = {k: sum(len(o.token_ids) for o in res[k][2]) / len(res[k][2]) for k in ("off", "auto")}
-        print(f"| {e} | {so.tokens_per_s:.1f} | {ta.tokens_per_s:.1f} | {ratio(ta.tokens_per_s, so.tokens_per_s)} | "
+        print(f"| {e} | {steady(so):.1f} | {steady(ta):.1f} | {ratio(steady(ta), steady(so))} | "
               f"{so.tail_tokens_per_s:.1f} | {ta.tail_tokens_per_s:.1f} | "
               f"{ratio(ta.tail_tokens_per_s, so.tail_tokens_per_s)} | {ta.accept_length('history'):.2f} | "
               f"{ta.accept_length('ngram'):.2f} | {lens['off']:.0f} / {lens['auto']:.0f} |")
@@ -95,11 +101,15 @@ def report(args, temperature: float, result: dict) -> None:
           f"{rate(o[2], o[3]):.1f} | {rate(a[2], a[3]):.1f} | {ratio(rate(a[2], a[3]), rate(o[2], o[3]))} | | | |")
     hist = [r["auto"][0] for r in rows[1:]]
     if hist:
-        h = [sum(x) for x in zip(*[(st.generated_tokens, st.total_s, st.tail_tokens, st.tail_s) for st in hist])]
-        ho = [sum(x) for x in zip(*[(r["off"][0].generated_tokens, r["off"][0].total_s, r["off"][0].tail_tokens, r["off"][0].tail_s) for r in rows[1:]])]
+        h = [sum(x) for x in zip(*[(st.generated_tokens, st.total_s - st.capture_s, st.tail_tokens, st.tail_s)
+                                   for st in hist])]
+        ho = [sum(x) for x in zip(*[(st.generated_tokens, st.total_s - st.capture_s, st.tail_tokens, st.tail_s)
+                                    for st in (r["off"][0] for r in rows[1:])])]
         print(f"| epochs 1+ (with history) | {rate(ho[0], ho[1]):.1f} | {rate(h[0], h[1]):.1f} | "
               f"{ratio(rate(h[0], h[1]), rate(ho[0], ho[1]))} | {rate(ho[2], ho[3]):.1f} | {rate(h[2], h[3]):.1f} | "
               f"{ratio(rate(h[2], h[3]), rate(ho[2], ho[3]))} | | | |")
+    if o[4] or a[4]:
+        print(f"\nCUDA-graph captures (one-time, left out of the rates above): off {o[4]:.1f} s, auto {a[4]:.1f} s")
     print("\nDecode tokens/s per running batch size (all epochs):\n")
     print("| batch size | off tok/s | auto tok/s | ratio | selector's choices (auto, last epoch) |")
     print("|---|---|---|---|---|")

@@ -8,6 +8,7 @@ learned drafter), so the engine never imports a drafter."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -58,6 +59,7 @@ class Engine:
         self.rng = torch.Generator().manual_seed(cfg.seed)
         self.last_stats = GenerateStats()
         self._next_id = 0
+        self._gc_frozen = False
         self._done: list[Sequence] = []  # finished outside a step (rejected requests): returned by the next step
 
     def encode(self, prompt) -> list[int]:
@@ -69,6 +71,8 @@ class Engine:
                      prompt_indices: list[int] | None = None) -> list[int]:
         """Queues each prompt's n samples; returns their sequence ids in (prompt, sample) order. A bad prompt
         fails alone: its samples come back from the next step with finish_reason "error" naming the problem."""
+        if not self.has_work():
+            self._pause_old_gc()
         sampling = sampling or SamplingParams()
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
@@ -152,6 +156,20 @@ class Engine:
             stale = self.speculator.end_rollout()
             if stats is not None:
                 stats.stale = stale
+        if self._gc_frozen:
+            gc.unfreeze()
+            self._gc_frozen = False
+
+    def _pause_old_gc(self) -> None:
+        """A rollout starts: the objects that exist now (the model, the drafters' indexes of earlier epochs, the
+        libraries) leave the collector's view until it ends. Python's full collections otherwise rescan all of
+        them every few hundred decode steps' allocations; on a GPU, where a step's forward takes a few ms, that
+        made the history drafter's index updates cost 56 us per sequence-step instead of 4 (CPU profile,
+        benchmarks/RESULTS.md). O(1) both ways; `end_rollout` hands them back, so cyclic garbage made before
+        the rollout is collected after it, not lost."""
+        if not self._gc_frozen and gc.isenabled():
+            gc.freeze()
+            self._gc_frozen = True
 
     # ---- the loop -------------------------------------------------------------------------------------------
 

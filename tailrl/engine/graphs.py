@@ -37,6 +37,7 @@ class GraphPool:
         self.bytes = 0  # device memory the captures took (graphs, their pool, first-capture output buffers)
         self.capture_s = 0.0
         self.declined = 0  # passes run eagerly because the budget was spent
+        self.last_capture_s = 0.0  # the capture time inside the last `run` (0 when it only replayed)
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -48,6 +49,7 @@ class GraphPool:
         if generation != self.generation:
             self.clear()
             self.generation = generation
+        self.last_capture_s = 0.0
         graph = self.graphs.get(bucket)
         if graph is None:
             if self.bytes >= self.budget:
@@ -81,6 +83,7 @@ class GraphPool:
         self.graphs[bucket] = graph
         self.bytes += used
         self.capture_s += took
+        self.last_capture_s = took
         log.info("CUDA graph %s captured in %.2f s, %.1f MiB (pool: %d graphs, %.1f MiB, %.2f s capturing)",
                  bucket, took, used / 2**20, len(self.graphs), self.bytes / 2**20, self.capture_s)
         return graph

@@ -71,9 +71,11 @@ def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, r
         emitted += n
     t3 = time.perf_counter()
     B = len(running)
+    cap = runner.last_capture_s  # a CUDA graph captured in this pass: one-time, kept out of the step's times
     record = StepRecord("decode", B, sum(q_lens), str(arm), arm.drafter, sum(1 for t in trees or () if t),
                         sum(len(t) for t in trees or () if t), emitted, emitted - B if arm != OFF else 0,
-                        t1 - t0, t2 - t1, t3 - t2, t3 - t0)
+                        t1 - t0, t2 - t1 - cap, t3 - t2, t3 - t0 - cap, capture_s=cap)
     if speculator is not None:
         speculator.observe(record, running, verdicts)
+        record.total_s = time.perf_counter() - t0 - cap  # the feedback (drafters' indexes, shadows) costs too
     return record

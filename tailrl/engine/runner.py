@@ -52,6 +52,7 @@ class ModelRunner:
         self.capture = capture_hidden
         self.hidden_layers = (model.config.num_hidden_layers,) if capture_hidden else ()
         self.last_forward_s = 0.0
+        self.last_capture_s = 0.0  # CUDA-graph capture inside the last decode (one-time; not in last_forward_s)
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphPool(self.device, graph_budget_bytes) if cuda_graphs and on_cuda else None
         self.pad = pad
@@ -133,6 +134,7 @@ class ModelRunner:
         pass ran padded (graph or eager) or not. A batch-invariant runner reads all `capacity` keys and at least
         MIN_QUERY_ROWS query rows per sequence, and gives a lone row a second one (engine/invariant.py)."""
         B = len(roots)
+        self.last_capture_s = 0.0
         trees = trees if trees and any(trees) else None
         q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
         fixed = {}
@@ -183,11 +185,12 @@ class ModelRunner:
             return forward_padded(self.model, self.kv, batch, bucket.keys, self.hidden_layers)
 
         out = self.graphs.run(bucket, batch, fn, self.kv.generation) if self.graphs is not None else None
+        self.last_capture_s = self.graphs.last_capture_s if self.graphs is not None else 0.0
         if out is None and not self.pad:
             return None
         out = [None if o is None else o[rows] for o in (out if out is not None else fn())]
         self._sync()
-        self.last_forward_s = time.perf_counter() - t
+        self.last_forward_s = time.perf_counter() - t - self.last_capture_s
         return out
 
     def keep_accepted(self, cache_lens: list[int], accepted: list[list[int]]) -> None:

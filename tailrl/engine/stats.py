@@ -31,6 +31,7 @@ class StepRecord:
     total_s: float = 0.0
     plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
     kv_bytes: int = 0
+    capture_s: float = 0.0  # CUDA-graph capture in this step (one-time per bucket; not in forward_s or total_s)
 
 
 @dataclass
@@ -55,9 +56,11 @@ class GenerateStats:
     tail_tokens: int = 0
     tail_s: float = 0.0
     stale: dict[str, float] = field(default_factory=dict)  # drafter -> 1.0 if its acceptance collapsed (watchdog)
+    capture_s: float = 0.0  # CUDA-graph captures (in total_s, the wall time; not in decode_s or the buckets)
 
     def add(self, r: StepRecord) -> None:
         self.steps += 1
+        self.capture_s += r.capture_s
         self.generated_tokens += r.emitted
         self.peak_kv_bytes = max(self.peak_kv_bytes, r.kv_bytes)
         if r.kind == "prefill":
@@ -133,6 +136,8 @@ class GenerateStats:
                "forward_s": round(self.forward_s, 3), "verify_s": round(self.verify_s, 3),
                "accept_length": round(self.mean_accept_length, 3), "speedup_est": round(self.speedup_est, 3),
                "choices": self.choices}
+        if self.capture_s:
+            out["cuda_graph_capture_s"] = round(self.capture_s, 3)
         for name, d in self.drafters.items():
             out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
             out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
@@ -145,6 +150,8 @@ class GenerateStats:
                "spec/tail_tokens_per_s": self.tail_tokens_per_s}
         out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
         out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
+        if self.capture_s:
+            out["perf/cuda_graph_capture_s"] = self.capture_s
         return out
 
 
