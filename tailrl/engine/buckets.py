@@ -22,7 +22,7 @@ from ..model.step import make_padded_step
 from ..spec.tree import DraftTree
 from .kv_cache import KVCache
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKENS_PER_SEQ = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 256
 
