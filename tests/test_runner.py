@@ -35,7 +35,7 @@ def test_buckets_are_the_smallest_that_hold_the_pass():
     assert pick_bucket(40, 1, 10, slots=50, capacity=64).seqs == 50  # capped at the slots the cache has
     assert pick_bucket(1, 1, 10, slots=4, capacity=1024).keys == MIN_KEYS
     assert pick_bucket(1, 1, 10, slots=4, capacity=48).keys == 48  # capped at the capacity
-    assert pick_bucket(129, 1, 10, slots=256, capacity=64) is None
+    assert pick_bucket(257, 1, 10, slots=512, capacity=64) is None
     assert pick_bucket(2, 33, 10, slots=4, capacity=64) is None
 
 
