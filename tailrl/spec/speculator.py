@@ -22,6 +22,9 @@ from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per unchosen drafter
+# no shadow drafts above this batch: acceptance is a property of the drafter, not the batch size, and the tail
+# of every rollout measures it; above it, shadows made the drafters index every token (TokenIndex is lazy)
+SHADOW_MAX_BATCH = 32
 
 
 class Speculator:
@@ -151,7 +154,7 @@ class Speculator:
         """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
         draft path per drafter that is scored against the tokens they emit next."""
         others = [d for name, d in self.drafters.items() if name != chosen]
-        if not others or not running:
+        if not others or not running or len(running) > SHADOW_MAX_BATCH:
             return
         start = self._cursor % len(running)
         self._cursor += SHADOW_SEQS

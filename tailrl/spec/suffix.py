@@ -8,49 +8,81 @@ each occurrence, count the continuations in a trie and expand it best-first by e
 from __future__ import annotations
 
 import heapq
+from array import array
 from dataclasses import dataclass
 
 from .tree import DraftTree
 
 
+POS_BITS = 32  # an occurrence is one int: stream << POS_BITS | position after the n-gram
+
+
 class TokenIndex:
+    """Streams and, per n-gram (n <= max_n), where it ended: the most recent 2 * max_occurrences at most.
+
+    Indexing is lazy: `extend` only appends tokens, and the first `match` after it indexes what was appended
+    since. Every running sequence's tokens reach two indexes each step (its own prompt lookup, its prompt's
+    history), yet most are never queried: at large batches the selector decodes plainly, and a sequence that
+    finishes before the long tail may never be drafted for. On a GPU, indexing every token eagerly cost more
+    host time than the forward (benchmarks/host_overhead.py). What is indexed allocates nothing the garbage
+    collector tracks: keys are ints packing the n-gram, occurrences are ints in `array`s."""
+
     def __init__(self, max_n: int = 3, max_occurrences: int = 256):
         self.max_n = max_n
         self.max_occurrences = max_occurrences
         self.streams: list[list[int]] = []
-        self.grams: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (stream, position after it)
+        self.grams: dict[int, array] = {}  # gram_key(n-gram) -> occurrences
+        self.indexed: list[int] = []  # per stream, how many of its tokens are in `grams`
+        self.dirty: dict[int, None] = {}  # streams with tokens not indexed yet, in the order they grew
 
     def add_stream(self, tokens: list[int]) -> int:
         self.streams.append([])
+        self.indexed.append(0)
         sid = len(self.streams) - 1
         self.extend(sid, tokens)
         return sid
 
     def extend(self, sid: int, tokens: list[int]) -> None:
+        if tokens:
+            self.streams[sid].extend(tokens)
+            self.dirty[sid] = None
+
+    def catch_up(self) -> None:
+        """Indexes every token appended since the last call."""
+        for sid in self.dirty:
+            self._index(sid)
+        self.dirty.clear()
+
+    def _index(self, sid: int) -> None:
         s = self.streams[sid]
-        grams = self.grams
-        for t in tokens:
-            s.append(t)
-            end = len(s)
-            for n in range(1, min(self.max_n, end) + 1):
-                key = tuple(s[end - n : end])
+        grams, max_n, cap = self.grams, self.max_n, 2 * self.max_occurrences
+        base = sid << POS_BITS
+        for end in range(self.indexed[sid] + 1, len(s) + 1):
+            key = 0
+            for n in range(1, min(max_n, end) + 1):
+                key = (key << TOKEN_BITS) | (s[end - n] + 1)  # +1: a token 0 still shifts the key
                 occ = grams.get(key)
                 if occ is None:
-                    grams[key] = [(sid, end)]
+                    grams[key] = array("q", (base | end,))
                 else:
-                    occ.append((sid, end))
-                    if len(occ) > 2 * self.max_occurrences:  # keep the most recent; bounded work per query
+                    occ.append(base | end)
+                    if len(occ) > cap:  # keep the most recent; bounded work per query
                         del occ[: self.max_occurrences]
+        self.indexed[sid] = len(s)
 
     def match(self, context: list[int], max_match: int = 32) -> tuple[int, list[tuple[int, int]]]:
         """Longest match length m of a suffix of context and the occurrences (stream, position after) that have it
         and a continuation."""
+        if self.dirty:
+            self.catch_up()
+        mask = (1 << POS_BITS) - 1
         for n in range(min(self.max_n, len(context)), 0, -1):
-            occ = self.grams.get(tuple(context[len(context) - n :]))
+            occ = self.grams.get(gram_key(context[len(context) - n :]))
             if not occ:
                 continue
             best, found = 0, []
-            for sid, pos in occ[-self.max_occurrences :]:
+            for o in occ[-self.max_occurrences :]:
+                sid, pos = o >> POS_BITS, o & mask
                 s = self.streams[sid]
                 if pos >= len(s):
                     continue  # the context itself, or a stream with nothing after the match yet
@@ -64,6 +96,18 @@ class TokenIndex:
             if found:
                 return best, found
         return 0, []
+
+
+TOKEN_BITS = 32
+
+
+def gram_key(gram: list[int]) -> int:
+    """The int key of an n-gram: its tokens (+1) from the last backwards, TOKEN_BITS each, so grams of different
+    lengths or tokens never share a key (for token ids below 2**32 - 1)."""
+    key = 0
+    for t in reversed(gram):
+        key = (key << TOKEN_BITS) | (t + 1)
+    return key
 
 
 @dataclass
