@@ -112,6 +112,25 @@ def test_selector_counts_the_overhead_of_verification_outside_the_forward():
     assert sel.plain_step_s(64) == pytest.approx(0.0364, rel=0.05)
 
 
+def test_selector_learns_a_step_overhead_that_does_not_grow_with_the_rows():
+    """On a GPU a step's host work and small kernels (sampling, bookkeeping) take about 2 ms whether the pass has 4
+    rows or 64, next to a 3 ms forward: split per row, 64-row steps would make a 4-row step look 2 ms cheaper than
+    it is, and a verify pass of the same 4 sequences look no better than plain decoding."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(4,), epsilon=0.0))
+    for tokens in (1, 4, 8, 16, 20, 32, 64, 128, 320):
+        sel.record_forward(tokens, 0.003)
+    arm = Arm("history", 4)
+    for _ in range(40):  # 4 sequences decoding plainly or verifying 4 drafted tokens (1 accepted); 64 plainly
+        sel.record(OFF, 4, 4, 0.003, 0.005, 4, 0, 0.0)
+        sel.record(arm, 4, 20, 0.003, 0.005, 8, 16, 0.0)
+        sel.record(OFF, 64, 64, 0.003, 0.005, 64, 0, 0.0)
+        sel.record_shadow("ngram", 0, 4)
+    assert sel.plain_step_s(4) == pytest.approx(0.005, rel=0.05)
+    assert sel.plain_step_s(64) == pytest.approx(0.005, rel=0.05)
+    assert sel.predict(arm, 4) == pytest.approx(8 / 0.005, rel=0.05)
+    assert sel.choose(4) == arm
+
+
 def test_cost_model_interpolates_and_extrapolates_conservatively():
     sel = Selector(SpecConfig(mode="auto"))
     sel.record_forward(10, 1.0)

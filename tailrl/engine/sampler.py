@@ -18,11 +18,13 @@ from ..spec.verify import Verdict, verify_tree, walk
 from .sampling import SamplingParams
 
 
-def warp_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def warp_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per row: temperature, top-k and top-p; top-k (top-p) is None when no row uses it, decided here on the host
+    so that a GPU step need not wait for the device to answer."""
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    return temps.to(device), top_k.to(device), top_p.to(device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long) if any(p.top_k > 0 for p in params) else None
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32) if any(p.top_p < 1 for p in params) else None
+    return temps.to(device), *(None if t is None else t.to(device) for t in (top_k, top_p))
 
 
 def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -34,18 +36,19 @@ def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
         return _warp(logits, temps, top_k, top_p)
     out = torch.empty(logits.shape, dtype=torch.float32)
     for i in range(0, len(logits), rows):
-        out[i : i + rows] = _warp(logits[i : i + rows], temps[i : i + rows], top_k[i : i + rows], top_p[i : i + rows])
+        block = slice(i, i + rows)
+        out[block] = _warp(logits[block], temps[block], *(None if t is None else t[block] for t in (top_k, top_p)))
     return out
 
 
-def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     x = logits.float() / temps.unsqueeze(-1)
     V = x.shape[-1]
-    if bool((top_k > 0).any()):
+    if top_k is not None and bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=V), V)
         kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
         x = x.masked_fill(x < kth, float("-inf"))
-    if bool((top_p < 1).any()):
+    if top_p is not None and bool((top_p < 1).any()):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
@@ -69,9 +72,9 @@ def sample_tensor(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], 
     if all(greedy):
         return tokens
     keys = row_keys(seeds, positions, device=logprobs.device)
-    rows = torch.tensor([not g for g in greedy], device=logprobs.device).nonzero().squeeze(-1)
-    if len(rows) == len(greedy):
+    if not any(greedy):
         return gumbel_argmax(logprobs, keys)
+    rows = torch.tensor([i for i, g in enumerate(greedy) if not g], device=logprobs.device)
     tokens[rows] = gumbel_argmax(logprobs[rows], keys[rows])  # noise only for the sampled rows
     return tokens
 
@@ -98,8 +101,9 @@ def decide(logits: torch.Tensor, seqs: list, trees: list | None, q_lens: list[in
     rejection = [bool(trees and trees[b] is not None and trees[b].q and not s.params.greedy) for b, s in enumerate(seqs)]
     argmax_only = [s.params.greedy or r for s, r, q in zip(seqs, rejection, q_lens) for _ in range(q)]
     tokens = sample_tensor(logp, argmax_only, seeds, positions)
-    lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-    tokens = tokens.tolist()
+    lps = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    tokens, lps = torch.stack([tokens.double(), lps.double()]).tolist()  # one device-to-host copy, exact
+    tokens = [int(t) for t in tokens]
     out, off = [], 0
     for b, s in enumerate(seqs):
         q, tree = q_lens[b], trees[b] if trees else None

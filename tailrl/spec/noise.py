@@ -132,6 +132,8 @@ def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     grows with every verified draft row."""
     x = logp.float()
     N, V = x.shape
+    if x.is_cuda:  # the device computes the whole vocabulary's noise in a few kernels; pruning would wait for it
+        return (x + gumbel(keys, V)).argmax(-1) if N else x.argmax(-1)
     top, a = x.max(-1)
     if N == 0 or not bool(torch.isfinite(top).all()):
         return _full_argmax(x, keys)  # NaN rows: whatever the full computation says

@@ -102,6 +102,10 @@ class Selector:
         self.draft_cost = {d: 0.0 for d in drafters}  # seconds per sequence proposal
         # seconds per row outside the forward and drafting, for plain and for speculative steps (None: not yet seen)
         self.overhead: dict[bool, float | None] = {False: None, True: None}
+        # seconds per step outside the forward and drafting, per (speculative?, bucket of rows in the pass). On a
+        # CPU sampling grows with the rows (per-row above is right); on a GPU a step's host work and small kernels
+        # cost about the same at 4 rows as at 64 (2 ms against a 3 ms forward), which per-row would split wrongly
+        self.step_overhead: dict[tuple[bool, int], float] = {}
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 
@@ -116,13 +120,19 @@ class Selector:
         t = self.cost.predict(rows)
         if t is None:
             return None
-        step_s = t + rows * (self.overhead[True] or 0.0) + B * self.draft_cost[arm.drafter]
+        step_s = t + self.overhead_s(True, rows) + B * self.draft_cost[arm.drafter]
         return B * (1 + self.accept[arm].mean(0.0)) / step_s
 
     def plain_step_s(self, B: int) -> float | None:
         """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
         t = self.cost.predict(B)
-        return t + B * (self.overhead[False] or 0.0) if t else None
+        return t + self.overhead_s(False, B) if t else None
+
+    def overhead_s(self, spec: bool, rows: float) -> float:
+        """Seconds a step of this many rows spends outside the forward and drafting: as measured for passes of
+        about as many rows, else the per-row rate times rows."""
+        seen = self.step_overhead.get((spec, batch_bucket(max(int(rows), 1))))
+        return seen if seen is not None else rows * (self.overhead[spec] or 0.0)
 
     def score(self, arm: Arm, B: int) -> float:
         p = self.predict(arm, B)
@@ -154,9 +164,13 @@ class Selector:
             ratio = min(max((emitted / step_s) / predicted, 0.25), 4.0)
             self.correction[key] = self.correction.get(key, 1.0) + self.alpha * (ratio - self.correction.get(key, 1.0))
         spec = arm != OFF
-        per_row = max(step_s - forward_s - draft_s, 0.0) / max(tokens_in_pass, 1)
+        outside = max(step_s - forward_s - draft_s, 0.0)
+        per_row = outside / max(tokens_in_pass, 1)
         seen = self.overhead[spec]
         self.overhead[spec] = per_row if seen is None else seen + self.alpha * (per_row - seen)
+        key = (spec, batch_bucket(max(tokens_in_pass, 1)))
+        seen = self.step_overhead.get(key)
+        self.step_overhead[key] = outside if seen is None else seen + self.alpha * (outside - seen)
         if spec:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
