@@ -6,6 +6,8 @@ benchmarks/spec_rollout.py for that), random prompts, sampling at T=1 without EO
 length. Graph captures happen in an untimed warm-up run.
 
     .venv/bin/python benchmarks/host_overhead.py [--device cuda] [--batches 1 8 32 128] [--tokens 128] [--profile]
+    .venv/bin/python benchmarks/host_overhead.py --tiny     # CPU: a 2-layer, 2048-word model, so that the host work
+                                                            # shows as on a GPU (the forward takes ~1 ms)
 """
 
 from __future__ import annotations
@@ -26,15 +28,25 @@ from tailrl.spec.config import SpecConfig
 SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+TINY = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=2048)
 
 
 def run(eng: Engine, B: int, tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    ps = torch.randint(3, 49152, (B, 48), generator=g).tolist()
+    ps = torch.randint(3, eng.model.config.vocab_size, (B, 48), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=seed)
     t = time.perf_counter()
     outs = eng.generate(ps, params)
     return outs.stats, time.perf_counter() - t
+
+
+def choices(st) -> str:
+    counts: dict[str, int] = {}
+    for per_bucket in st.choices.values():
+        for arm, n in per_bucket.items():
+            counts[arm] = counts.get(arm, 0) + n
+    return ", ".join(f"{a} {n}" for a, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
 
 
 def main():
@@ -43,13 +55,14 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="cProfile the auto arm at the largest batch")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model of SmolLM2's kind: host costs without the forward")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.device == "cpu":
         torch.set_num_threads(2)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(SMOLLM2_135M)
+    spec = dict(TINY if args.tiny else SMOLLM2_135M)
     hf_cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(0)
     with torch.device(args.device):
@@ -57,10 +70,11 @@ def main():
     model = build_model(ModelConfig.from_hf(hf_cfg.to_dict()), dict(hf.state_dict()), args.device, dtype)
     del hf
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
-    print(f"SmolLM2-135M shape, random weights, {dtype}, {where}; {args.tokens} tokens per sequence, T=1\n")
+    shape = "tiny (2 layers, 64 wide, 2,048 words)" if args.tiny else "SmolLM2-135M shape"
+    print(f"{shape}, random weights, {dtype}, {where}; {args.tokens} tokens per sequence, T=1\n")
     print("| batch | arm | ms per decode step | forward | verify (sampling) | drafting | rest (feedback, loop) | "
-          "tok/s | auto / off |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "tok/s | auto / off | auto's choices |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     engines = {a: Engine(model, None, EngineConfig(max_num_seqs=max(args.batches), spec=SpecConfig(mode=a)))
                for a in ("off", "auto")}
     prof = None
@@ -80,7 +94,7 @@ def main():
             rates[arm] = st.generated_tokens / (st.total_s - st.capture_s)
             rel = f"{rates['auto'] / rates['off']:.2f}x" if arm == "auto" else ""
             print(f"| {B} | {arm} | {ms(st.decode_s)} | {ms(st.forward_s)} | {ms(st.verify_s)} | {ms(st.draft_s)} | "
-                  f"{ms(rest)} | {rates[arm]:.0f} | {rel} |")
+                  f"{ms(rest)} | {rates[arm]:.0f} | {rel} | {choices(st) if arm == 'auto' else ''} |")
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)

@@ -131,6 +131,29 @@ def test_selector_learns_a_step_overhead_that_does_not_grow_with_the_rows():
     assert sel.choose(4) == arm
 
 
+def test_one_slow_plain_step_does_not_keep_plain_decoding_off_for_good():
+    """A pause (a collection, a re-layout) in the first plain step of a batch size must not stick: an arm that looks
+    slow is not chosen again, so its estimate would never be measured away. Drafts here are never accepted."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(1, 4), epsilon=0.05))
+    for tokens in (1, 64, 128, 256, 640):
+        sel.record_forward(tokens, 0.003 * max(1.0, tokens / 128))
+    sel.record(OFF, 128, 128, 0.003, 0.003 + 0.030, 128, 0, 0.0)  # 30 ms of pause in the first plain step
+    picks = []
+    for i in range(400):
+        arm = sel.choose(128)
+        picks.append(arm)
+        if arm == OFF:  # truly: 2 ms outside the forward, plain or not; drafts cost a forward of more rows
+            sel.record(OFF, 128, 128, 0.003, 0.005, 128, 0, 0.0)
+        else:
+            rows = 128 * (1 + arm.budget)
+            fwd = sel.cost.predict(rows)
+            sel.record(arm, 128, rows, fwd, fwd + 0.002, 128, 128 * arm.budget, 0.0005)
+        sel.record_shadow("ngram", 0, 4)
+        sel.record_shadow("history", 0, 4)
+    assert picks[-100:].count(OFF) >= 90
+    assert sel.plain_step_s(128) == pytest.approx(0.005, rel=0.1)
+
+
 def test_cost_model_interpolates_and_extrapolates_conservatively():
     sel = Selector(SpecConfig(mode="auto"))
     sel.record_forward(10, 1.0)

@@ -106,6 +106,7 @@ class Selector:
         # CPU sampling grows with the rows (per-row above is right); on a GPU a step's host work and small kernels
         # cost about the same at 4 rows as at 64 (2 ms against a 3 ms forward), which per-row would split wrongly
         self.step_overhead: dict[tuple[bool, int], float] = {}
+        self._first_overhead: dict[tuple[bool, int], float] = {}  # a bucket's first sample, until its second
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 
@@ -128,6 +129,21 @@ class Selector:
         t = self.cost.predict(B)
         return t + self.overhead_s(False, B) if t else None
 
+    def _record_step_overhead(self, key: tuple[bool, int], outside: float) -> None:
+        """A step's time outside the forward is the step's work plus whatever paused the process (a collection, a
+        cache re-layout, another tenant): outliers, and all of them upward. So the estimate starts from the smaller
+        of the first two steps, and a later step may raise it by at most half (a tenth after the EMA) per step. An
+        arm that looks slow is no longer chosen, so an outlier that stuck would never be measured away."""
+        seen = self.step_overhead.get(key)
+        if seen is None:
+            first = self._first_overhead.pop(key, None)
+            if first is None:
+                self._first_overhead[key] = outside
+            else:
+                self.step_overhead[key] = min(first, outside)
+            return
+        self.step_overhead[key] = seen + self.alpha * (min(outside, 1.5 * seen) - seen)
+
     def overhead_s(self, spec: bool, rows: float) -> float:
         """Seconds a step of this many rows spends outside the forward and drafting: as measured for passes of
         about as many rows, else the per-row rate times rows."""
@@ -147,8 +163,9 @@ class Selector:
         if OFF in scores:
             scores[OFF] *= self.margin
         best = max(scores.values())
-        if self.rng.random() < self.cfg.epsilon:  # explore among arms that are not hopeless
-            return self.rng.choice([a for a, v in scores.items() if v >= 0.85 * best])
+        if self.rng.random() < self.cfg.epsilon:  # explore among arms that are not hopeless, and plain decoding:
+            # the baseline costs little to re-measure, and a stale estimate of it would keep every drafter chosen
+            return self.rng.choice([a for a, v in scores.items() if v >= 0.85 * best or a == OFF])
         return max(scores, key=scores.get)
 
     def _ema(self, table: dict, key, value: float) -> None:
@@ -168,9 +185,7 @@ class Selector:
         per_row = outside / max(tokens_in_pass, 1)
         seen = self.overhead[spec]
         self.overhead[spec] = per_row if seen is None else seen + self.alpha * (per_row - seen)
-        key = (spec, batch_bucket(max(tokens_in_pass, 1)))
-        seen = self.step_overhead.get(key)
-        self.step_overhead[key] = outside if seen is None else seen + self.alpha * (outside - seen)
+        self._record_step_overhead((spec, batch_bucket(max(tokens_in_pass, 1))), outside)
         if spec:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
