@@ -154,6 +154,20 @@ def test_one_slow_plain_step_does_not_keep_plain_decoding_off_for_good():
     assert sel.plain_step_s(128) == pytest.approx(0.005, rel=0.1)
 
 
+def test_a_drafter_that_drafts_nothing_never_looks_cheaper_than_plain_decoding():
+    """With no match to draft from, a drafter's step is a plain step plus its lookups; two noisy estimates of the
+    time outside the forward must not let it beat plain decoding."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(1,), epsilon=0.0))
+    for tokens in (1, 8, 16):
+        sel.record_forward(tokens, 0.003)
+    arm = Arm("history", 1)
+    for _ in range(10):  # 8 sequences; plain steps measured at 2 ms outside the forward, the drafter's at 1.5 ms
+        sel.record(OFF, 8, 8, 0.003, 0.005, 8, 0, 0.0)
+        sel.record(arm, 8, 8, 0.003, 0.0045, 8, 0, 0.0)
+        sel.record_shadow("ngram", 0, 1)
+    assert sel.predict(arm, 8) <= sel.predict(OFF, 8)  # (the bandit's correction may still weigh what it measures)
+
+
 def test_cost_model_interpolates_and_extrapolates_conservatively():
     sel = Selector(SpecConfig(mode="auto"))
     sel.record_forward(10, 1.0)

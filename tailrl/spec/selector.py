@@ -121,7 +121,11 @@ class Selector:
         t = self.cost.predict(rows)
         if t is None:
             return None
-        step_s = t + self.overhead_s(True, rows) + B * self.draft_cost[arm.drafter]
+        # a verify step does all that a plain step of as many rows does, and more: never predict it cheaper (two
+        # noisy estimates otherwise let near-empty drafts, which cost a plain step, beat plain decoding's margin)
+        plain = self.step_overhead.get((False, batch_bucket(max(int(rows), 1))), 0.0)  # where measured
+        outside = max(self.overhead_s(True, rows), plain)
+        step_s = t + outside + B * self.draft_cost[arm.drafter]
         return B * (1 + self.accept[arm].mean(0.0)) / step_s
 
     def plain_step_s(self, B: int) -> float | None:
