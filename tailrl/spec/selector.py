@@ -34,6 +34,11 @@ def batch_bucket(B: int) -> int:
     return max(B - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | 9-16 | ...
 
 
+def _overhead_key(spec: bool, rows: float) -> tuple[bool, int]:
+    """Selector.step_overhead's key: plain or speculative, and the bucket of rows in the pass."""
+    return spec, batch_bucket(max(int(rows), 1))
+
+
 class CostModel:
     """Seconds of one forward as a function of the tokens in it: EMA per geometric bucket, interpolated."""
 
@@ -123,7 +128,7 @@ class Selector:
             return None
         # a verify step does all that a plain step of as many rows does, and more: never predict it cheaper (two
         # noisy estimates otherwise let near-empty drafts, which cost a plain step, beat plain decoding's margin)
-        plain = self.step_overhead.get((False, batch_bucket(max(int(rows), 1))), 0.0)  # where measured
+        plain = self.step_overhead.get(_overhead_key(False, rows), 0.0)  # where measured
         outside = max(self.overhead_s(True, rows), plain)
         step_s = t + outside + B * self.draft_cost[arm.drafter]
         return B * (1 + self.accept[arm].mean(0.0)) / step_s
@@ -151,7 +156,7 @@ class Selector:
     def overhead_s(self, spec: bool, rows: float) -> float:
         """Seconds a step of this many rows spends outside the forward and drafting: as measured for passes of
         about as many rows, else the per-row rate times rows."""
-        seen = self.step_overhead.get((spec, batch_bucket(max(int(rows), 1))))
+        seen = self.step_overhead.get(_overhead_key(spec, rows))
         return seen if seen is not None else rows * (self.overhead[spec] or 0.0)
 
     def score(self, arm: Arm, B: int) -> float:
@@ -189,7 +194,7 @@ class Selector:
         per_row = outside / max(tokens_in_pass, 1)
         seen = self.overhead[spec]
         self.overhead[spec] = per_row if seen is None else seen + self.alpha * (per_row - seen)
-        self._record_step_overhead((spec, batch_bucket(max(tokens_in_pass, 1))), outside)
+        self._record_step_overhead(_overhead_key(spec, tokens_in_pass), outside)
         if spec:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)

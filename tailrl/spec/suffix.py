@@ -15,6 +15,7 @@ from .tree import DraftTree
 
 
 POS_BITS = 32  # an occurrence is one int: stream << POS_BITS | position after the n-gram
+TOKEN_BITS = 32  # an n-gram key packs its tokens (+1) in this many bits each (gram_key)
 
 
 class TokenIndex:
@@ -96,9 +97,6 @@ class TokenIndex:
             if found:
                 return best, found
         return 0, []
-
-
-TOKEN_BITS = 32
 
 
 def gram_key(gram: list[int]) -> int:
