@@ -36,7 +36,9 @@ def timed_rollout(trainer) -> dict:
     st = trainer.engine.last_stats
     return {"s": s, "tokens": sum(len(c.token_ids) for c in comps), "accept": st.mean_accept_length,
             "max_len": max(len(c.token_ids) for c in comps), "same": [c.token_ids for c in comps],
-            "choices": st.choices, "by_bucket": st.by_bucket}
+            "choices": st.choices, "by_bucket": st.by_bucket,
+            "parts": {"prefill": st.prefill_s, "draft": st.draft_s, "forward": st.forward_s, "verify": st.verify_s,
+                      "decode steps": st.decode_steps}}
 
 
 def bucket_range(b: int) -> str:
@@ -72,6 +74,13 @@ def main():
     print(f"\nrollout speedup (mean time off / auto): {mean['off'] / mean['auto']:.2f}x")
     same = sum(a == b for r_off, r_auto in zip(res["off"], res["auto"]) for a, b in zip(r_off["same"], r_auto["same"]))
     print(f"responses SD auto emitted exactly as SD off: {same} of {sum(len(r['same']) for r in res['off'])}")
+    print("\nwhere the rollout's time goes (mean over repeats; seconds, and decode steps)")
+    print("| arm | prefill | draft | forward | sample/accept | decode steps |")
+    print("|---|---|---|---|---|---|")
+    for m, rs in res.items():
+        p = {k: sum(r["parts"][k] for r in rs) / len(rs) for k in rs[0]["parts"]}
+        print(f"| SD {m} | {p['prefill']:.2f} | {p['draft']:.2f} | {p['forward']:.2f} | {p['verify']:.2f} | "
+              f"{p['decode steps']:.0f} |")
     print("\nper batch-size bucket (last repeat): decode steps per arm the selector chose; tokens/s off -> auto")
     last = {m: rs[-1] for m, rs in res.items()}
     for b in sorted(last["auto"]["by_bucket"]):

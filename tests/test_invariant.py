@@ -120,3 +120,36 @@ def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path
     for a, b in zip(rows["off"], rows["auto"]):
         assert a["response_lengths"] == b["response_lengths"] and a["reward/mean"] == b["reward/mean"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] and a["actor/pg_loss"] == b["actor/pg_loss"]
+
+
+def _drafted_trees(model, tok, invariant: bool, monkeypatch) -> list[DraftTree]:
+    from tailrl.spec.speculator import Speculator
+
+    seen, plan = [], Speculator.plan
+
+    def spy(self, running):
+        arm, trees = plan(self, running)
+        seen.extend(t for t in trees or () if t)
+        return arm, trees
+
+    monkeypatch.setattr(Speculator, "plan", spy)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=invariant,
+                                          spec=SpecConfig(mode="history", budgets=(8,), min_match=1)))
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=4, seed=3)
+    eng.generate(MATH[:2], params)  # the history the second epoch drafts from
+    seen.clear()
+    eng.generate(MATH[:2], params)
+    assert all(d.chains is invariant for d in eng.speculator.drafters.values())
+    return seen
+
+
+def test_an_invariant_verifier_gets_single_path_drafts(smollm, monkeypatch):
+    """A batch-invariant pass keeps an accepted path only up to its first side-branch node, so side branches
+    would cost rows for nothing: the drafters draft chains there, and best-first trees elsewhere."""
+    model, tok = smollm
+    branched = lambda trees: sum(any(len(t.children(i)) > 1 for i in range(-1, len(t))) for t in trees)
+    trees = _drafted_trees(model, tok, False, monkeypatch)
+    assert len(trees) > 20 and branched(trees) > 0  # history trees do branch on this data
+    trees = _drafted_trees(model, tok, True, monkeypatch)
+    assert len(trees) > 20 and branched(trees) == 0
+    assert all(t.parents == list(range(-1, len(t) - 1)) for t in trees)

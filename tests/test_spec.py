@@ -6,7 +6,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import HistoryDrafter, NgramDrafter
+from tailrl.spec.drafters import FallbackDrafter, HistoryDrafter, NgramDrafter, model_free_drafters
 from tailrl.spec.selector import OFF, Arm, Selector
 from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
 from tailrl.spec.tree import DraftTree
@@ -239,3 +239,38 @@ def tiny_ckpt_v96(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_v96")
     make_tiny_checkpoint(folder, "llama", seed=1)
     return load_model(str(folder), device="cpu")[0]
+
+
+class _Fixed:
+    """A drafter that drafts a fixed chain for the sequences it knows, and records the budgets it was given."""
+
+    costly = needs_hidden = policy_bound = chains = False
+
+    def __init__(self, name, chains_by_seq):
+        self.name, self.by_seq, self.asked = name, chains_by_seq, []
+
+    def propose(self, seqs, budgets, depths):
+        self.asked.append(list(budgets))
+        return [DraftTree.chain(self.by_seq[s][:b], self.name) if b and s in self.by_seq else None
+                for s, b in zip(seqs, budgets)]
+
+
+def test_fallback_drafts_from_the_first_part_that_drafts_enough_for_each_sequence():
+    first = _Fixed("history", {"a": [1, 2, 3], "b": [4]})  # "b": one node, under min_len
+    second = _Fixed("ngram", {"b": [5, 6], "c": [7, 8]})
+    both = FallbackDrafter([first, second], min_len=2)
+    trees = both.propose(["a", "b", "c", "d"], [4, 4, 4, 4], [4] * 4)
+    assert [t.tokens if t else None for t in trees] == [[1, 2, 3], [5, 6], [7, 8], None]
+    assert second.asked == [[0, 4, 4, 4]]  # "a" was drafted enough by history: ngram never drafted for it
+    assert [t.drafter for t in trees[:3]] == ["history", "ngram", "ngram"]
+    one = FallbackDrafter([_Fixed("history", {"b": [4]}), _Fixed("ngram", {})]).propose(["b"], [4], [4])
+    assert one[0].tokens == [4]  # a short draft is kept where nothing longer comes
+    assert both.propose(["b"], [1], [4])[0].tokens == [4]  # a budget of 1 is drafted in full by one node
+    both.chains = True
+    assert first.chains and second.chains and both.chains and both.name == "history+ngram"
+
+
+def test_auto_drafts_history_then_own_ngrams():
+    names = [d.name for d in model_free_drafters(SpecConfig(mode="auto"))]
+    assert names == ["history", "ngram", "history+ngram"]
+    assert [d.name for d in model_free_drafters(SpecConfig(mode="history"))] == ["history"]

@@ -4,9 +4,9 @@ a drafter."""
 from __future__ import annotations
 
 from ..spec.config import SpecConfig
-from ..spec.drafters import model_free_drafters
+from ..spec.drafters import FallbackDrafter, model_free_drafters
 from ..spec.speculator import Speculator
-from .propose import LearnedDrafter, MergedDrafter
+from .propose import LearnedDrafter
 
 
 def make_speculator(spec: SpecConfig, learned: LearnedDrafter | None = None) -> Speculator | None:
@@ -20,5 +20,5 @@ def make_speculator(spec: SpecConfig, learned: LearnedDrafter | None = None) -> 
         history = next((d for d in drafters if d.name == "history"), None)
         drafters.append(learned)
         if history is not None:
-            drafters.append(MergedDrafter(history, learned))
+            drafters.append(FallbackDrafter([history, learned]))
     return Speculator(spec, drafters)

@@ -39,6 +39,7 @@ class _BatchDrafter:
     costly = True  # shadow drafts cost head forwards: the speculator runs them rarely
     needs_hidden = True
     policy_bound = True  # trained on an earlier policy's outputs
+    chains = False  # one child per node (the speculator sets it for a batch-invariant verifier)
 
     def attach(self, kv) -> None:
         pass
@@ -117,7 +118,7 @@ class LearnedDrafter(_BatchDrafter):
         return idx, logq[idx].tolist()
 
     def _grow(self, seqs, root_g, budgets, depths) -> list[DraftTree | None]:
-        head, k = self.head, self.cfg.topk
+        head, k = self.head, 1 if self.chains else self.cfg.topk
         dev = head.fc.weight.device
         floor = math.log(self.cfg.min_prob) if self.cfg.min_prob > 0 else -math.inf
         temps = [max(s.params.temperature, 1e-5) for s in seqs]
@@ -245,19 +246,3 @@ class LearnedDrafter(_BatchDrafter):
                 q[self.head.vocab.to(d.device) if len(self.head.vocab) else slice(None)] = d.exp()
                 tree.q[node] = q
         return tree
-
-
-class MergedDrafter(_BatchDrafter):
-    """History where it has a match (free and long when responses repeat), the learned head elsewhere: one
-    tree per sequence from whichever source applies, so the verifier's lossless rules hold unchanged."""
-
-    name = "history+learned"
-
-    def __init__(self, history, learned: LearnedDrafter, min_len: int = 2):
-        self.history, self.learned, self.min_len = history, learned, min_len
-
-    def propose(self, seqs, budgets, depths):
-        out = self.history.propose(seqs, budgets, depths)
-        rest = [0 if t is not None and len(t) >= min(self.min_len, b) else b for t, b in zip(out, budgets)]
-        learned = self.learned.propose(seqs, rest, depths)
-        return [t if r == 0 else lt for t, r, lt in zip(out, rest, learned)]

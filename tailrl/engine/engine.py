@@ -52,7 +52,7 @@ class Engine:
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets,
                                   resolve_invariant(cfg.batch_invariant, model.device, model.dtype))
         if self.speculator is not None:
-            self.speculator.attach(self.runner.kv)
+            self.speculator.attach(self.runner.kv, chains=self.runner.invariant)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

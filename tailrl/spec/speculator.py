@@ -44,10 +44,12 @@ class Speculator:
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
 
-    def attach(self, kv) -> None:
-        """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots."""
+    def attach(self, kv, chains: bool = False) -> None:
+        """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
+        chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths."""
         self.vocab_size = kv.cfg.vocab_size
         for d in self.drafters.values():
+            d.chains = chains
             d.attach(kv)
 
     def start(self, seqs: list) -> None:
