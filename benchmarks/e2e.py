@@ -144,8 +144,10 @@ def main():
     toks = {m: sum(sum(r.get("response_lengths", [])) for s in args.seeds for r in steps[(m, s)]) for m in modes}
     print(f"\nrollout speedup (training rollouts, total gen time off / auto): {tot['off']['gen'] / tot['auto']['gen']:.2f}x")
     print(f"rollout tokens/s: auto {toks['auto'] / tot['auto']['gen']:.0f}, off {toks['off'] / tot['off']['gen']:.0f} "
-          f"({toks['auto'] / tot['auto']['gen'] / (toks['off'] / tot['off']['gen']):.2f}x; in bf16 the arms' rollouts "
-          f"differ, so their lengths do too: {toks['auto']} vs {toks['off']} tokens)")
+          f"({toks['auto'] / tot['auto']['gen'] / (toks['off'] / tot['off']['gen']):.2f}x; "
+          + (f"the same {toks['auto']} tokens in both arms)" if toks["auto"] == toks["off"] else
+             f"the arms' rollouts differ, so their lengths do too: {toks['auto']} vs {toks['off']} tokens; batch-"
+             f"invariant decoding, engine/invariant.py, makes them the same)"))
     print(f"rollout + eval generation speedup: {(tot['off']['gen'] + tot['off']['eval']) / (tot['auto']['gen'] + tot['auto']['eval']):.2f}x")
     print(f"step speedup (total step time off / auto): {tot['off']['step'] / tot['auto']['step']:.2f}x")
     print(f"whole-run speedup (process wall off / auto): "

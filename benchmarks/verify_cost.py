@@ -1,0 +1,58 @@
+"""What a verify pass costs on this CPU as the engine runs it: SmolLM2-135M in bf16, batch-invariant passes
+(engine/invariant.py: every cache position read, at least 4 query rows per sequence), B sequences each verifying a
+chain of k draft tokens after --ctx cached tokens, relative to a plain decode step (k = 0) of the same B. Rounds
+over every (B, k) are interleaved, the first two dropped, the median kept: the machine is shared and drifts.
+
+The selector's cost model learns the same curve online; this is the table to read the speculation results against
+(a chain of k tokens pays where the tokens it emits per sequence, 1 + accepted, exceed its cost ratio).
+
+    .venv/bin/python benchmarks/verify_cost.py [--batches 1 4 16 32 64] [--ks 1 2 4 8] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tailrl.engine.runner import ModelRunner
+from tailrl.model import load_model
+from tailrl.spec.tree import DraftTree
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--ctx", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    runner = ModelRunner(model, 2**30, max(args.batches), 256, invariant=True)
+    runner.reserve(2 * args.ctx)
+    ks = [0, *args.ks]
+    times: dict[tuple[int, int], list[float]] = {}
+    with torch.inference_mode():  # as the engine runs it (grad mode would keep every pass's graph alive)
+        for _ in range(args.rounds):
+            for B in args.batches:
+                for k in ks:
+                    trees = [DraftTree.chain(list(range(11, 11 + k))) for _ in range(B)] if k else None
+                    t = time.perf_counter()
+                    runner.decode([5] * B, [args.ctx] * B, trees)
+                    times.setdefault((B, k), []).append(time.perf_counter() - t)
+    med = {key: statistics.median(v[2:] if len(v) > 3 else v) for key, v in times.items()}
+    print(f"SmolLM2-135M bf16, batch-invariant passes, {args.ctx} cached tokens, {args.threads} threads, "
+          f"median of {args.rounds} rounds\n")
+    print("| batch | plain step ms | " + " | ".join(f"k={k}" for k in args.ks) + " |")
+    print("|---|---|" + "---|" * len(args.ks))
+    for B in args.batches:
+        base = med[(B, 0)]
+        print(f"| {B} | {base * 1e3:.1f} | " + " | ".join(f"{med[(B, k)] / base:.2f}x" for k in args.ks) + " |")
+
+
+if __name__ == "__main__":
+    main()
