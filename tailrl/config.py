@@ -40,9 +40,10 @@ class DataCfg:
     task: str = "arithmetic"  # built-in task generated locally when train_file is empty
     train_file: str = ""  # JSONL or Parquet with a 'prompt' (text or chat messages) and an 'answer'
     eval_file: str = ""
-    # the default run: 32 train prompts that recur every 4 steps (as prompts do over the epochs of a real run, so the
-    # history drafter has earlier responses to the same prompt) and 32 held-out eval prompts
-    num_train: int = 16  # 8 prompts per step: each comes back every 2nd step (the many-epoch regime history drafts from)
+    # the default run: 16 train prompts, 8 per step, so each comes back every 2nd step (as prompts do over the many
+    # epochs of a real run, so the history drafter has earlier responses to the same prompt), and 32 held-out eval
+    # prompts
+    num_train: int = 16
     num_eval: int = 32
     # difficulty levels of the built-in task (empty: all; a train_file is used as it is). The default run keeps
     # arithmetic's levels 1-2 (sums and one-step word problems), where SmolLM2-135M is sometimes right: GRPO learns
