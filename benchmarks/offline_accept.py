@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from tailrl.spec.config import SpecConfig
+from tailrl.spec.drafters import NgramDrafter
 from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
 
 MAX_MATCH, MIN_MATCH, PROMPT_TAIL = 32, 2, 4
@@ -65,14 +68,12 @@ def chains(ix: TokenIndex, ctx: list[int], k: int, width: int, min_match: int = 
 
 
 def own_ngram(prompt: list[int], out: list[int], k: int) -> list[int]:
-    """NgramDrafter's chain: the continuation of the most recent earlier occurrence of the longest suffix match."""
-    ix = index_of([prompt + out])
-    m, occ = ix.match(ix.streams[0][-MAX_MATCH - 1 :], MAX_MATCH)
-    occ = [o for o in occ if o[1] < len(ix.streams[0])]
-    if m < 1 or not occ:
-        return []
-    t = build_tree(ix.streams, occ[-1:], TreeShape(k, k, 0.0, chain=True), "ngram")
-    return t.tokens if t else []
+    """What the engine's NgramDrafter drafts for a sequence with this prompt and output: a chain of up to k tokens."""
+    seq = SimpleNamespace(prompt_ids=prompt, output_ids=out, spec={})
+    drafter = NgramDrafter(SpecConfig(mode="ngram"))
+    drafter.start(seq)
+    tree = drafter.propose_one(seq, k, k)
+    return tree.tokens if tree else []
 
 
 def replay(prompts: list[dict], target: int, k: int, width: int, ngram: bool, glob: bool, min_len: int) -> tuple[float, int]:
