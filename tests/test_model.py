@@ -152,3 +152,21 @@ def test_mismatched_weights_name_the_missing_keys(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="model.layers.1.mlp.up_proj.weight"):
         load_model(str(tmp_path))
+
+
+def test_grouped_attention_gives_the_fused_kernels_bits():
+    """Stacking the query heads that share a K/V head into one block of rows is a layout change only: in bf16,
+    with 4 or more query rows as the batch-invariant decode runs it, the output equals SDPA's own GQA bit for bit."""
+    import torch.nn.functional as F
+
+    from tailrl.model.llama import _grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    for B, Q in [(1, 4), (8, 4), (8, 9), (33, 5)]:
+        q = torch.randn(B, 9, Q, 64, generator=g).bfloat16()
+        k, v = (torch.randn(B, 3, 96, 64, generator=g).bfloat16() for _ in range(2))
+        c = torch.randint(10, 80, (B, 1, 1), generator=g)
+        j, i = torch.arange(96).view(1, 1, 96), torch.arange(Q).view(1, Q, 1)
+        mask = ((j < c) | ((j >= c) & (j - c <= i))).unsqueeze(1)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.equal(_grouped_attention(q, k, v, mask), ref)

@@ -77,6 +77,10 @@ def test_das_gives_the_long_tail_deeper_trees_and_stops_at_the_predicted_end():
     for n in (10, 20, 30, 40):
         lengths.add([1, 2], n)
     assert lengths.remaining([1, 2], 5) == 25 and lengths.remaining([9], 0) is None  # mean of the last 3
+    # conditioned on what the sample has emitted: past 35 only the 40 is left; past all of them it is the long tail
+    # (half of what it did), never "about to end" (the mean minus done would give it a budget of 1)
+    assert lengths.remaining([1, 2], 35) == 5 and lengths.remaining([1, 2], 60) == 30
+    assert das_budgets(4, [lengths.remaining([1, 2], 60)], cap=16) == [8]
 
 
 def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
@@ -96,3 +100,51 @@ def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
     sp.drafters["ngram"].propose = spy
     eng.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=30, temperature=0, ignore_eos=True))
     assert seen and all(b <= max(6 - n, 1) for n, b in seen if n < 6)
+
+
+def test_pass_cost_separates_rows_from_sequences_once_shapes_differ():
+    from tailrl.spec.selector import PassCost
+
+    cost = PassCost()
+    for B in (1, 4, 16, 64):  # plain passes only: rows == sequences, the two terms cannot be told apart
+        cost.record(B, B, 0.02 + 0.0005 * B + 0.001 * B)
+    assert cost.predict(17, 1) is None
+    for B, rows in [(1, 9), (4, 36), (16, 80), (64, 320)]:
+        cost.record(rows, B, 0.02 + 0.0005 * rows + 0.001 * B)
+    assert cost.predict(17, 1) == pytest.approx(0.02 + 0.0005 * 17 + 0.001, rel=1e-6)
+    assert cost.predict(17, 16) == pytest.approx(0.02 + 0.0005 * 17 + 0.016, rel=1e-6)
+
+
+def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
+    """A request whose adaptive depth fell to 2 after a rejection drafts the arm's full budget where the pass's
+    extra rows cost little (one sequence on a CPU), and keeps the adaptive depth where they cost (a large batch)."""
+    spec = SpecConfig(mode="ngram", budgets=(2, 8))
+    sp = Speculator(spec)
+    for B, rows in [(1, 1), (1, 9), (4, 4), (4, 36), (64, 64), (64, 576)]:  # 25 ms a pass + 0.4 ms a row + 1 ms a seq
+        for _ in range(3):
+            sp.selector.pass_cost.record(rows, B, 0.025 + 0.0004 * rows + 0.001 * B)
+    assert sp.selector.cheap_rows(1, 9) and not sp.selector.cheap_rows(64, 576)
+    seen = []
+
+    class Spy(ModelFreeDrafter):
+        name = "ngram"
+
+        def start(self, seq):
+            pass
+
+        def accept(self, seq, tokens):
+            pass
+
+        def propose_one(self, seq, budget, depth):
+            seen.append(depth)
+            return None
+
+    sp.drafters["ngram"] = Spy()
+    sp.selector.choose = lambda B: sp.selector.drafter_arms[-1]  # ngram:8
+
+    class Seq:
+        prompt_ids, output_ids, max_tokens, spec_depth = [1, 2, 3], [4, 5], 64, 2
+
+    sp.plan([Seq()])
+    sp.plan([Seq() for _ in range(64)])
+    assert seen[0] == 8 and set(seen[1:]) == {2}

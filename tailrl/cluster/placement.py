@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..spec.budgets import expected_remaining
 from .cost import StepCost
 
 
@@ -70,8 +71,8 @@ class LengthPredictor:
         left = cap - done
         if left <= 0:
             return 0.0
-        longer = [n - done for n in self.lengths(prompt) if n > done]
-        est = sum(longer) / len(longer) if longer else max(self.predict(prompt, task) - done, 0.5 * done, 1.0)
+        past = self.lengths(prompt)
+        est = expected_remaining(past, done) if past else max(self.predict(prompt, task) - done, 0.5 * done, 1.0)
         return float(min(est, left))
 
     def observe(self, prompt, task: str | None, lengths: list[int]) -> None:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 
 class LengthTracker:
-    """Mean response length per prompt, over the last `keep` responses (bounded number of prompts)."""
+    """Response lengths per prompt, the last `keep` of them (bounded number of prompts)."""
 
     def __init__(self, keep: int = 32, max_prompts: int = 100_000):
         self.keep, self.max_prompts = keep, max_prompts
@@ -29,9 +29,16 @@ class LengthTracker:
 
     def remaining(self, prompt_ids: list[int], generated: int) -> int | None:
         seen = self.lengths.get(tuple(prompt_ids))
-        if not seen:
-            return None
-        return max(round(sum(seen) / len(seen)) - generated, 0)
+        return None if not seen else round(expected_remaining(seen, generated))
+
+
+def expected_remaining(lengths: list[int], done: int) -> float:
+    """E[L - done | L > done] over a prompt's past response lengths. A sample past all of them is in the long tail,
+    not about to end: half of what it has done (response lengths are heavy-tailed, and one that ran long tends to
+    run on). The unconditional mean minus done would call exactly the samples that decide when a rollout ends
+    finished, and stop drafting for them."""
+    longer = [n - done for n in lengths if n > done]
+    return sum(longer) / len(longer) if longer else max(0.5 * done, 1.0)
 
 
 def das_budgets(base: int, remaining: list[int | None], cap: int) -> list[int]:

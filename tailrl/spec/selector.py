@@ -15,6 +15,8 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import SpecConfig
 
 
@@ -74,6 +76,36 @@ class CostModel:
         return hi[0][1]  # below the smallest: at least as cheap as it (optimistic; measuring corrects it)
 
 
+class PassCost:
+    """Seconds of one decode/verify forward as a + b * rows + c * sequences, least squares over the recent passes
+    (forgetting factor `decay` per pass). The rows alone do not say it: a batch-invariant pass pads every
+    sequence's attention to 4 query rows over the whole cache (engine/invariant.py), so 17 rows of one sequence cost
+    about a plain step of one (26 ms here), and 17 rows of 16 sequences twice that. Used to tell where a deeper
+    draft is free; None until passes of different shapes separate the three terms."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self.xx = np.zeros((3, 3))
+        self.xy = np.zeros(3)
+        self._w: np.ndarray | None = None
+
+    def record(self, rows: int, seqs: int, seconds: float) -> None:
+        x = np.array([1.0, rows, seqs])
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xy = self.decay * self.xy + seconds * x
+        self._w = None
+
+    def predict(self, rows: float, seqs: float) -> float | None:
+        if self._w is None:
+            # scaled so the rank test compares like with like (rows run to hundreds, the constant is 1)
+            d = np.sqrt(np.maximum(np.diag(self.xx), 1e-12))
+            a = self.xx / np.outer(d, d)
+            if np.linalg.matrix_rank(a, tol=1e-6) < 3:
+                return None
+            self._w = np.linalg.solve(a, self.xy / d) / d
+        return float(self._w @ np.array([1.0, rows, seqs]))
+
+
 class Rate:
     """Extra tokens (or drafted nodes) per sequence-step, as exponentially decayed sums over sequence-steps:
     a 32-sequence step weighs 32 single-sequence shadow observations, and one lucky sequence moves it little."""
@@ -102,6 +134,7 @@ class Selector:
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()
+        self.pass_cost = PassCost()
         self.accept = {a: Rate() for a in self.drafter_arms}  # shadow drafts measure it even while unused
         self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft_cost = {d: 0.0 for d in drafters}  # seconds per sequence proposal
@@ -132,6 +165,13 @@ class Selector:
         outside = max(self.overhead_s(True, rows), plain)
         step_s = t + outside + B * self.draft_cost[arm.drafter]
         return B * (1 + self.accept[arm].mean(0.0)) / step_s
+
+    def cheap_rows(self, B: int, rows: int, slack: float = 1.15) -> bool:
+        """Whether a forward of `rows` rows over B sequences is predicted to cost at most `slack` times a plain step
+        of the B (the long tail on a CPU, where a pass streams the weights once whatever its few rows:
+        benchmarks/verify_cost.py). False while the cost of rows and of sequences is not yet told apart."""
+        plain, wide = self.pass_cost.predict(B, B), self.pass_cost.predict(rows, B)
+        return plain is not None and wide is not None and plain > 0 and wide <= slack * plain
 
     def plain_step_s(self, B: int) -> float | None:
         """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
@@ -185,6 +225,7 @@ class Selector:
         """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes."""
         predicted = self.predict(arm, B)
         self.cost.record(tokens_in_pass, forward_s)
+        self.pass_cost.record(tokens_in_pass, B, forward_s)
         if predicted:
             key = (batch_bucket(B), arm)
             ratio = min(max((emitted / step_s) / predicted, 0.25), 4.0)

@@ -89,7 +89,11 @@ class Speculator:
         left = [self.lengths.remaining(s.prompt_ids, len(s.output_ids)) for s in running]
         wanted = das_budgets(arm.budget, left, max(self.cfg.budgets))
         budgets = [max(min(b, r), 0) for b, r in zip(wanted, rooms)]
-        depths = [max(min(s.spec_depth, r), 0) for s, r in zip(running, rooms)]
+        # the adaptive depth trims drafts where verify rows cost; in the tail a pass costs about a plain step up to
+        # some depth, and down to that depth a rejection costs nothing, so no request drafts less
+        B = len(running)
+        floor = max((d for d in self.cfg.budgets if self.selector.cheap_rows(B, B * (1 + d))), default=0)
+        depths = [max(min(max(s.spec_depth, floor), r), 0) for s, r in zip(running, rooms)]
         trees = self._propose(self.drafters[arm.drafter], running, budgets, depths)
         V = self.vocab_size
         for i, tree in enumerate(trees):
