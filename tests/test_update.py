@@ -208,3 +208,21 @@ def test_fused_adamw_where_possible_and_it_steps_like_the_default_kernels():
         assert float((p - p0).detach().abs().mean()) > 5e-3  # 3 steps of lr 1e-2 moved the weights
     # a parameter that the fused kernel cannot take: the default kernels
     assert not make_adamw([torch.nn.Parameter(torch.zeros(3, device="meta"))], lr=1e-3).defaults.get("fused")
+
+
+def test_chunked_head_gradient_without_the_entropy_term():
+    """A loss of the log-probabilities alone (the entropy only logged): the backward skips the entropy's term and
+    its gradients still equal the full-logits reference."""
+    torch.manual_seed(1)
+    h = torch.randn(29, 16, requires_grad=True)
+    w = (torch.randn(50, 16) * 0.5).requires_grad_()
+    y = torch.randint(0, 50, (29,))
+    g = torch.randn(29)
+    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=8)
+    (lp @ g).backward()
+    got = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    ref_lp, _ = token_logprobs((h @ w.T)[None], y[None], 0.7)
+    (ref_lp[0] @ g).backward()
+    torch.testing.assert_close(got[0], h.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+    torch.testing.assert_close(got[1], w.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)

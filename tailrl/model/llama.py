@@ -174,7 +174,10 @@ class Attention(nn.Module):
         (qp, qr), (kp, kr), (vp, vr) = grids(q), grids(k), grids(v)
         op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
         keys, vals = torch.cat([kp[lay.seg_of], kr], dim=2), torch.cat([vp[lay.seg_of], vr], dim=2)
-        orr = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=lay.mask, enable_gqa=gqa)
+        if gqa:
+            orr = _grouped_attention(qr, keys, vals, lay.mask)
+        else:
+            orr = F.scaled_dot_product_attention(qr, keys, vals, attn_mask=lay.mask)
         o = torch.cat([op.transpose(1, 2).reshape(S * P, -1)[lay.p_idx], orr.transpose(1, 2).reshape(M * R, -1)[lay.r_idx]])
         return self.o_proj(o)
 

@@ -83,7 +83,7 @@ class PassCost:
     about a plain step of one (26 ms here), and 17 rows of 16 sequences twice that. Used to tell where a deeper
     draft is free; None until passes of different shapes separate the three terms."""
 
-    def __init__(self, decay: float = 0.98):
+    def __init__(self, decay: float = 0.99):
         self.decay = decay
         self.xx = np.zeros((3, 3))
         self.xy = np.zeros(3)
@@ -156,7 +156,7 @@ class Selector:
         if self.accept[arm].weight == 0:
             return None
         rows = B * (1 + self.drafted[arm].mean(arm.budget))
-        t = self.cost.predict(rows)
+        t = self.forward_s(rows, B)
         if t is None:
             return None
         # a verify step does all that a plain step of as many rows does, and more: never predict it cheaper (two
@@ -175,8 +175,14 @@ class Selector:
 
     def plain_step_s(self, B: int) -> float | None:
         """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
-        t = self.cost.predict(B)
+        t = self.forward_s(B, B)
         return t + self.overhead_s(False, B) if t else None
+
+    def forward_s(self, rows: float, B: int) -> float | None:
+        """Expected seconds of a forward of `rows` rows over B sequences: the rows-and-sequences fit where it has
+        separated them (the same rows cost less over fewer sequences), else the table of passes by rows."""
+        t = self.pass_cost.predict(rows, B)
+        return t if t is not None and t > 0 else self.cost.predict(rows)
 
     def _record_step_overhead(self, key: tuple[bool, int], outside: float) -> None:
         """A step's time outside the forward is the step's work plus whatever paused the process (a collection, a
