@@ -95,6 +95,30 @@ def test_selector_turns_speculation_off_where_the_cost_model_says_it_loses():
     assert sel.choose(2).drafter == "history"
 
 
+def test_a_fresh_selector_tries_each_drafter_at_its_smallest_budget_first():
+    """At a large batch the first rollout's exploration is what costs: an unmeasured deep budget is a pass of
+    17 rows per sequence. Unmeasured budgets borrow the acceptance of the drafter's smaller measured budget (a lower
+    bound), so only the smallest budget of each drafter is tried there, and deep ones once they pay."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(1, 4, 16), epsilon=0.0))
+    for tokens in (1, 8, 64, 128, 320, 1088):
+        sel.record_forward(tokens, 0.03 * max(1.0, tokens / 8))  # compute-bound past 8 rows
+    picks = []
+    for _ in range(12):
+        arm = sel.choose(64)
+        picks.append(arm)
+        extra = {"history": 0.3, "ngram": 0.1}.get(arm.drafter, 0.0) * min(arm.budget, 1)
+        rows = 64 * (1 + arm.budget)
+        fwd = 0.03 * rows / 8
+        sel.record(arm, 64, rows, fwd, fwd + 0.001, int(64 * (1 + extra)), 64 * arm.budget, 0.0)
+    assert {a.budget for a in picks if a != OFF} == {1}
+    assert {a.drafter for a in picks if a != OFF} == {"history", "ngram"}
+    assert picks[-5:] == [OFF] * 5
+    # where rows are free (one sequence) the lower bound already says a deeper draft pays as much: it gets tried
+    for tokens in (2, 5, 17):
+        sel.record_forward(tokens, 0.03)
+    assert sel.predict(Arm("history", 16), 1) is not None
+
+
 def test_selector_counts_the_overhead_of_verification_outside_the_forward():
     """On CPU a verify pass can cost no more forward time than a plain step while sampling over the vocabulary for
     every draft row costs far more: the selector must predict the whole step, not the forward alone."""

@@ -153,9 +153,11 @@ class Selector:
         if arm == OFF:
             t = self.plain_step_s(B)
             return B / t if t else None
-        if self.accept[arm].weight == 0:
+        est = self._acceptance(arm)
+        if est is None:
             return None
-        rows = B * (1 + self.drafted[arm].mean(arm.budget))
+        accepted, drafted = est
+        rows = B * (1 + drafted)
         t = self.forward_s(rows, B)
         if t is None:
             return None
@@ -164,7 +166,21 @@ class Selector:
         plain = self.step_overhead.get(_overhead_key(False, rows), 0.0)  # where measured
         outside = max(self.overhead_s(True, rows), plain)
         step_s = t + outside + B * self.draft_cost[arm.drafter]
-        return B * (1 + self.accept[arm].mean(0.0)) / step_s
+        return B * (1 + accepted) / step_s
+
+    def _acceptance(self, arm: Arm) -> tuple[float, float] | None:
+        """(accepted, drafted) per sequence-step of an arm. An arm not measured yet borrows the acceptance of its
+        drafter's largest measured smaller budget, a lower bound (a longer draft of the same drafter accepts at least
+        as much), at its full budget of rows: so a drafter is tried first at its smallest budget, which costs least
+        where the batch is large, and its deeper budgets win where that bound already pays (the tail, where shadow
+        drafts then measure them). None: nothing of the drafter measured yet."""
+        if self.accept[arm].weight > 0:
+            return self.accept[arm].mean(0.0), self.drafted[arm].mean(arm.budget)
+        smaller = [a for a in self.drafter_arms if a.drafter == arm.drafter and a.budget < arm.budget
+                   and self.accept[a].weight > 0]
+        if not smaller:
+            return None
+        return self.accept[max(smaller, key=lambda a: a.budget)].mean(0.0), float(arm.budget)
 
     def cheap_rows(self, B: int, rows: int, slack: float = 1.15) -> bool:
         """Whether a forward of `rows` rows over B sequences is predicted to cost at most `slack` times a plain step
