@@ -110,7 +110,7 @@ class RewardCfg:
 
 @dataclass
 class TrainerCfg:
-    steps: int = 16  # the default run lifts held-out greedy accuracy on a 2-core CPU in 5-6 minutes
+    steps: int = 16  # the default run lifts held-out greedy accuracy on a 2-core CPU in about 5 minutes
     prompts_per_step: int = 8
     eval_every: int = 4  # steps; 0 = never
     save_every: int = 4  # steps; 0 = only at the end
