@@ -22,7 +22,7 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, 
     """Grouped-query attention over the cache: q [B, heads, Q, D], keys/vals [B, kv_heads, K, D], mask [B, 1, Q, K].
     The query heads that share a K/V head are stacked into one [group * Q] block of rows, so the CPU's fused kernel
     runs kv_heads tiles of group * Q rows per sequence instead of heads tiles of Q rows: 1.8x faster at batch 64 with
-    4 query rows (benchmarks/attention.py), and the same output bits, since each row's softmax and products do not
+    4 query rows (benchmarks/RESULTS.md, session 9), and the same output bits, since each row's softmax and products do not
     depend on the other rows of its tile once a tile has 4 or more (engine/invariant.py)."""
     B, H, Q, D = q.shape
     group = H // keys.shape[1]

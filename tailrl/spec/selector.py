@@ -80,8 +80,9 @@ class PassCost:
     """Seconds of one decode/verify forward as a + b * rows + c * sequences, least squares over the recent passes
     (forgetting factor `decay` per pass). The rows alone do not say it: a batch-invariant pass pads every
     sequence's attention to 4 query rows over the whole cache (engine/invariant.py), so 17 rows of one sequence cost
-    about a plain step of one (26 ms here), and 17 rows of 16 sequences twice that. Used to tell where a deeper
-    draft is free; None until passes of different shapes separate the three terms."""
+    about a plain step of one (26 ms here), and 17 rows of 16 sequences twice that. The selector predicts passes from
+    it (`forward_s`) and tells from it where a deeper draft is free (`cheap_rows`); None until passes of different
+    shapes separate the three terms (the rows-only table stands in until then)."""
 
     def __init__(self, decay: float = 0.99):
         self.decay = decay
