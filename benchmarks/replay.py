@@ -6,24 +6,28 @@ engine/invariant.py) they emit the very same tokens, and the script counts the r
 SD-auto run: an SD-off run's checkpoint holds no history index, so its auto arm drafts from siblings alone (the
 regime of a run's first epoch). Prints the selector's choices and the tokens/s per batch-size bucket too.
 
-    .venv/bin/python benchmarks/replay.py RUN_DIR [--repeats 3]
+    .venv/bin/python benchmarks/replay.py RUN_DIR [--repeats 3] [--arms off auto auto,rollout.spec.allocate=false]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from pathlib import Path
 
 from tailrl.config import load_config
 
 
-def trainer_for(run: Path, mode: str):
+def trainer_for(run: Path, arm: str):
+    """arm: `off`, `auto`, or `auto` followed by comma-separated overrides (`auto,rollout.spec.allocate=false`)."""
     from tailrl.rl.trainer import Trainer
 
+    mode, *overrides = re.split(r",(?![^\[]*\])", arm)  # commas inside [..] belong to a list value
     # the run's config.json is YAML too; its own folder, so resume() reads its checkpoints
-    return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", "trainer.resume=true", "trainer.overwrite=false"]))
+    return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", *overrides, "trainer.resume=true",
+                                                          "trainer.overwrite=false"]))
 
 
 def timed_rollout(trainer) -> dict:
@@ -50,30 +54,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", nargs="+", default=["off", "auto"],
+                    help="off, auto, or auto with overrides: auto,rollout.spec.allocate=false (the first is the baseline)")
     args = ap.parse_args()
     logging.getLogger("tailrl").setLevel(logging.ERROR)
-    arms = {m: trainer_for(args.run, m) for m in ("off", "auto")}
+    arms = {m: trainer_for(args.run, m) for m in args.arms}
+    base = args.arms[0]
     for tr in arms.values():  # warm-up: the selector measures its cost table and acceptance (not checkpointed)
         timed_rollout(tr)
     res = {m: [] for m in arms}
     for _ in range(args.repeats):
         for m, tr in arms.items():
             res[m].append(timed_rollout(tr))
-    step = arms["off"].step
-    print(f"\n{args.run} at step {step}: the next step's rollout ({arms['off'].cfg.trainer.prompts_per_step} prompts x "
-          f"{arms['off'].cfg.rollout.n}), {args.repeats} repeats per arm, interleaved\n")
-    print("| arm | rollout s (each) | mean s | tokens (mean) | longest | tokens/s | accept len |")
-    print("|---|---|---|---|---|---|---|")
+    ref = arms[base]
+    print(f"\n{args.run} at step {ref.step}: the next step's rollout ({ref.cfg.trainer.prompts_per_step} prompts x "
+          f"{ref.cfg.rollout.n}), {args.repeats} repeats per arm, interleaved\n")
+    print(f"| arm | rollout s (each) | mean s | tokens (mean) | longest | tokens/s | accept len | speedup vs {base} | "
+          f"responses as {base} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     mean = {}
     for m, rs in res.items():
         mean[m] = sum(r["s"] for r in rs) / len(rs)
         tok = sum(r["tokens"] for r in rs) / len(rs)
         each = ", ".join(f"{r['s']:.1f}" for r in rs)
-        print(f"| SD {m} | {each} | {mean[m]:.1f} | {tok:.0f} | "
-              f"{max(r['max_len'] for r in rs)} | {tok / mean[m]:.0f} | {sum(r['accept'] for r in rs) / len(rs):.2f} |")
-    print(f"\nrollout speedup (mean time off / auto): {mean['off'] / mean['auto']:.2f}x")
-    same = sum(a == b for r_off, r_auto in zip(res["off"], res["auto"]) for a, b in zip(r_off["same"], r_auto["same"]))
-    print(f"responses SD auto emitted exactly as SD off: {same} of {sum(len(r['same']) for r in res['off'])}")
+        same = sum(a == b for r0, r in zip(res[base], rs) for a, b in zip(r0["same"], r["same"]))
+        print(f"| SD {m} | {each} | {mean[m]:.1f} | {tok:.0f} | {max(r['max_len'] for r in rs)} | {tok / mean[m]:.0f} | "
+              f"{sum(r['accept'] for r in rs) / len(rs):.2f} | {mean[base] / mean[m]:.2f}x | "
+              f"{same} of {sum(len(r['same']) for r in rs)} |")
     print("\nwhere the rollout's time goes (mean over repeats; seconds, and decode steps)")
     print("| arm | prefill | draft | forward | sample/accept | decode steps |")
     print("|---|---|---|---|---|---|")
@@ -81,11 +88,13 @@ def main():
         p = {k: sum(r["parts"][k] for r in rs) / len(rs) for k in rs[0]["parts"]}
         print(f"| SD {m} | {p['prefill']:.2f} | {p['draft']:.2f} | {p['forward']:.2f} | {p['verify']:.2f} | "
               f"{p['decode steps']:.0f} |")
-    print("\nper batch-size bucket (last repeat): decode steps per arm the selector chose; tokens/s off -> auto")
+    print(f"\nper batch-size bucket (last repeat): decode steps per arm the selector chose; seconds and tokens/s per arm")
     last = {m: rs[-1] for m, rs in res.items()}
-    for b in sorted(last["auto"]["by_bucket"]):
+    for b in sorted(set().union(*(r["by_bucket"] for r in last.values()))):
         rate = {m: (lambda c: c[0] / c[1] if c and c[1] else 0.0)(last[m]["by_bucket"].get(b)) for m in last}
-        print(f"  B {bucket_range(b)}: {last['auto']['choices'].get(b, {})}; {rate['off']:.0f} -> {rate['auto']:.0f}")
+        secs = {m: last[m]["by_bucket"].get(b, [0, 0.0])[1] for m in last}
+        print(f"  B {bucket_range(b)}: " + "; ".join(f"{m} {last[m]['choices'].get(b, {})} {secs[m]:.2f} s {rate[m]:.0f}/s"
+                                                     for m in last))
     for tr in arms.values():
         tr.close()
 

@@ -6,7 +6,7 @@ over every (B, k) are interleaved, the first two dropped, the median kept: the m
 The selector's cost model learns the same curve online; this is the table to read the speculation results against
 (a chain of k tokens pays where the tokens it emits per sequence, 1 + accepted, exceed its cost ratio).
 
-    .venv/bin/python benchmarks/verify_cost.py [--batches 1 4 16 32 64] [--ks 1 2 4 8] [--rounds 7]
+    .venv/bin/python benchmarks/verify_cost.py [--batches 1 4 16 32 64] [--ks 1 2 4 8] [--rounds 7] [--sample]
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 from tailrl.engine.runner import ModelRunner
+from tailrl.engine.sampler import decide
+from tailrl.engine.sampling import SamplingParams
 from tailrl.model import load_model
 from tailrl.spec.tree import DraftTree
 
@@ -29,12 +32,16 @@ def main():
     ap.add_argument("--ctx", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sample", action="store_true",
+                    help="time the step as the engine does: the pass, then sampling and acceptance at T=0.7 (decide)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
     runner = ModelRunner(model, 2**30, max(args.batches), 256, invariant=True)
     runner.reserve(2 * args.ctx)
     ks = [0, *args.ks]
+    params = SamplingParams(temperature=0.7, max_tokens=512)
+    seqs = [SimpleNamespace(params=params, output_ids=[7] * 40, seed=i) for i in range(max(args.batches))]
     times: dict[tuple[int, int], list[float]] = {}
     with torch.inference_mode():  # as the engine runs it (grad mode would keep every pass's graph alive)
         for _ in range(args.rounds):
@@ -42,11 +49,13 @@ def main():
                 for k in ks:
                     trees = [DraftTree.chain(list(range(11, 11 + k))) for _ in range(B)] if k else None
                     t = time.perf_counter()
-                    runner.decode([5] * B, [args.ctx] * B, trees)
+                    logits, _, q_lens, depths = runner.decode([5] * B, [args.ctx] * B, trees)
+                    if args.sample:
+                        decide(logits, seqs[:B], trees, q_lens, depths)
                     times.setdefault((B, k), []).append(time.perf_counter() - t)
     med = {key: statistics.median(v[2:] if len(v) > 3 else v) for key, v in times.items()}
     print(f"SmolLM2-135M bf16, batch-invariant passes, {args.ctx} cached tokens, {args.threads} threads, "
-          f"median of {args.rounds} rounds\n")
+          f"median of {args.rounds} rounds{', with sampling at T=0.7' if args.sample else ''}\n")
     print("| batch | plain step ms | " + " | ".join(f"k={k}" for k in args.ks) + " |")
     print("|---|---|" + "---|" * len(args.ks))
     for B in args.batches:

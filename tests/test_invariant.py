@@ -134,7 +134,8 @@ def _drafted_trees(model, tok, invariant: bool, monkeypatch) -> list[DraftTree]:
 
     monkeypatch.setattr(Speculator, "plan", spy)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=invariant,
-                                          spec=SpecConfig(mode="history", budgets=(8,), min_match=1)))
+                                          # the drafters' shapes, before the allocator cuts unlikely branches
+                                          spec=SpecConfig(mode="history", budgets=(8,), min_match=1, allocate=False)))
     params = SamplingParams(temperature=1.0, max_tokens=24, n=4, seed=3)
     eng.generate(MATH[:2], params)  # the history the second epoch drafts from
     seen.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from .allocate import AcceptanceModel, StepCost, allocate
 from .budgets import LengthTracker, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
@@ -43,6 +44,8 @@ class Speculator:
         self.vocab_size = 0
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
+        self.odds = AcceptanceModel()
+        self.step_cost = StepCost()
 
     def attach(self, kv, chains: bool = False) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
@@ -62,6 +65,7 @@ class Speculator:
         """Ends a rollout for every drafter; returns {drafter: 1.0 if its acceptance collapsed in it, else 0.0}."""
         for d in self.drafters.values():
             d.end_rollout()
+        self.odds.end_rollout()
         return self.watchdog.end_rollout(list(self.drafters))
 
     def _watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
@@ -105,7 +109,10 @@ class Speculator:
                 except Exception as e:
                     log.warning("drafter %s gave request %d a bad tree: %s", arm.drafter, running[i].prompt_index, e)
                     trees[i] = None
-        self._trees = [t.preorder() if t else None for t in trees]
+        trees = [t.preorder() if t else None for t in trees]
+        if self.cfg.allocate:
+            trees = allocate(trees, self.odds, B, lambda rows: self.step_cost.predict(rows, B))
+        self._trees = trees
         return arm, self._trees
 
     def _propose(self, drafter: Drafter, seqs: list, budgets: list[int], depths: list[int]) -> list:
@@ -134,6 +141,7 @@ class Speculator:
         plain = self.selector.plain_step_s(B)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
+        self.step_cost.record(B, record.tokens_in_pass, record.total_s - record.draft_s)
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
                              record.drafted, record.draft_s)
         if record.drafted:
@@ -142,6 +150,7 @@ class Speculator:
         cfg = self.cfg
         for s, tree, v in zip(running, trees, verdicts):
             if tree is not None:
+                self.odds.observe(tree, v.accepted_nodes)
                 full = bool(v.accepted_nodes) and not tree.children(v.accepted_nodes[-1])
                 s.spec_depth = min(2 * s.spec_depth, cfg.max_depth) if full else max(s.spec_depth // 2, cfg.min_depth)
                 used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
@@ -173,13 +182,14 @@ class Speculator:
                     continue
                 pending = s.shadow.get(d.name)
                 if pending is not None:
-                    at, path = pending
+                    at, path, features = pending
                     got = s.output_ids[at:]
                     m = 0
                     while m < min(len(path), len(got)) and path[m] == got[m]:
                         m += 1
                     if m < min(len(path), len(got)) or len(got) >= len(path):
                         self.selector.record_shadow(d.name, m, len(path))
+                        self.odds.observe_path(features[0], features[1], m)
                         self._watch(d.name, "shadow", m, len(path), [s])
                         pending = None
                 if pending is None:
@@ -190,7 +200,7 @@ class Speculator:
                         tree = None
                     path = tree.top_path() if tree else []
                     if path:
-                        s.shadow[d.name] = (len(s.output_ids), path)
+                        s.shadow[d.name] = (len(s.output_ids), path, (tree.drafter, self.odds.path_features(tree)))
                     else:
                         s.shadow.pop(d.name, None)
                         self.selector.record_shadow(d.name, 0, 0)

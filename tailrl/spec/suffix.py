@@ -130,25 +130,27 @@ def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], sha
                 entry = node[t] = [0, {}]
             entry[0] += 1
             node = entry[1]
-    tokens, parents = [], []
+    tokens, parents, cond, support = [], [], [], []
     total = len(occurrences)
-    heap = [(-c / total, k, t, -1, child) for k, (t, (c, child)) in enumerate(_ranked(root))]
+    heap = [(-c / total, k, t, -1, child, c, total) for k, (t, (c, child)) in enumerate(_ranked(root))]
     if shape.chain:
         heap = heap[:1]
     heapq.heapify(heap)
     counter = len(heap)
     while heap and len(tokens) < shape.budget:
-        neg_p, _, tok, parent, children = heapq.heappop(heap)
+        neg_p, _, tok, parent, children, count, of = heapq.heappop(heap)
         if -neg_p < shape.min_prob:
             break
         tokens.append(tok)
         parents.append(parent)
+        cond.append(count / of)
+        support.append(of)
         me = len(tokens) - 1
         parent_count = sum(c for c, _ in children.values())
         for t, (c, child) in _ranked(children)[: 1 if shape.chain else None]:
-            heapq.heappush(heap, (neg_p * c / parent_count, counter, t, me, child))
+            heapq.heappush(heap, (neg_p * c / parent_count, counter, t, me, child, c, parent_count))
             counter += 1
-    return DraftTree(tokens, parents, drafter=drafter) if tokens else None
+    return DraftTree(tokens, parents, drafter=drafter, cond=cond, support=support) if tokens else None
 
 
 def _ranked(children: dict) -> list:

@@ -4,7 +4,9 @@ Node i has token tokens[i] and parent parents[i] (-1: a child of the root, i.e. 
 token, which is not yet in the KV cache). The verification forward runs [root] + nodes; row 0 holds the
 target distribution for the root's children, row 1 + i for node i's children. A node's children are tried
 in the order they appear. `q[node]` (node -1 for the root) is the draft distribution the node's children were
-sampled from without replacement, in that order; without it the children are deterministic drafts."""
+sampled from without replacement, in that order; without it the children are deterministic drafts.
+`cond[i]` and `support[i]` (optional) are the drafter's own estimate of P(node i | its parent accepted) and how many
+observations it rests on; spec/allocate.py calibrates them into the survival odds that decide which nodes a step verifies."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class DraftTree:
     parents: list[int]
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     drafter: str = ""
+    cond: list[float] | None = None
+    support: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -89,9 +93,19 @@ class DraftTree:
             stack.extend(reversed(kids.get(node, [])))
         if order == list(range(len(self.tokens))):
             return self
-        new = {old: i for i, old in enumerate(order)}
-        return DraftTree([self.tokens[o] for o in order], [new.get(self.parents[o], -1) for o in order],
-                         {new.get(k, -1): v for k, v in self.q.items()}, self.drafter)
+        return self.subset(order)
+
+    def subset(self, nodes: list[int]) -> DraftTree:
+        """The tree of these nodes, in this order (each node's parent among them and before it, or the root)."""
+        new = {old: i for i, old in enumerate(nodes)}
+
+        def pick(xs):
+            return [xs[o] for o in nodes]
+
+        return DraftTree(pick(self.tokens), [new.get(self.parents[o], -1) for o in nodes],
+                         {new.get(k, -1): v for k, v in self.q.items() if k == -1 or k in new}, self.drafter,
+                         pick(self.cond) if self.cond is not None else None,
+                         pick(self.support) if self.support is not None else None)
 
     @classmethod
     def chain(cls, tokens: list[int], drafter: str = "") -> DraftTree:

@@ -1,0 +1,195 @@
+"""Which drafted nodes a decode step verifies: the nodes of all sequences ranked by their odds of being accepted and
+taken while they raise the step's expected tokens per second (adaptive verification: RLHFSpec's cost-aware draft
+allocation, vLLM's per-slot survival budget under a profiled cost model).
+
+Every verified node is a row of the pass: forward time and sampling over the vocabulary, whatever its odds. At the
+batches a rollout starts with (30-64 sequences) a row costs a fifth to a third of a plain sequence-step on a CPU
+(benchmarks/verify_cost.py), so a fixed budget for every sequence pays for the rows a drafter merely guesses at, and
+speculation there broke even. A node's survival (the odds that it and all its ancestors are accepted) is the
+product along its path of its calibrated conditional odds; the slots of all sequences then compete for rows, best
+first, and the step verifies the prefix of that ranking that maximises (B + sum of survivals) / predicted seconds.
+
+Lossless: only deterministic drafts (no draft distribution q) are cut. A deterministic draft may be any function of
+the context, and the verifier emits the target's own draws whatever it verifies (with batch-invariant passes, the
+very same tokens). A tree whose children were sampled from q is kept whole: rejection sampling stays exact only if
+how many children a node keeps does not depend on which children were drawn."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .selector import batch_bucket
+from .tree import DraftTree
+
+COND_EDGES = (0.3, 0.5, 0.7, 0.9)  # the drafter's own P(node | parent accepted): history's continuation frequency
+SUPPORT_EDGES = (2, 4, 8, 16)  # how many continuations that frequency counts
+
+
+def _bucket(x: float, edges: tuple) -> int:
+    return sum(x >= e for e in edges)
+
+
+class AcceptanceModel:
+    """Measured P(node accepted | its parent accepted) per (drafter, estimate bucket, support bucket): accepted and
+    reached counts, shrunk towards the drafter's overall rate by `prior` pseudo-observations, and halved at the end of
+    every rollout (the policy, and with it what is accepted, moves between rollouts). A drafter's raw estimate is only
+    a feature here: history's frequencies over three siblings claim 1.0 where the policy agrees half the time."""
+
+    def __init__(self, prior: float = 4.0, min_seen: int = 32):
+        self.prior, self.min_seen = prior, min_seen
+        self.cells: dict[tuple[str, int, int], list[float]] = {}  # -> [accepted, reached]
+        self.overall: dict[str, list[float]] = {}
+
+    @staticmethod
+    def _features(tree: DraftTree, i: int) -> tuple[int, int]:
+        cond = tree.cond[i] if tree.cond is not None else 1.0
+        support = tree.support[i] if tree.support is not None else 1
+        return _bucket(cond, COND_EDGES), _bucket(support, SUPPORT_EDGES)
+
+    def odds(self, drafter: str, features: tuple[int, int]) -> float:
+        a, n = self.overall.get(drafter, (0.0, 0.0))
+        base = (a + 1.0) / (n + 2.0)
+        ca, cn = self.cells.get((drafter, *features), (0.0, 0.0))
+        return (ca + self.prior * base) / (cn + self.prior)
+
+    def known(self, drafter: str) -> bool:
+        """Whether enough of the drafter's nodes were seen to rank its slots (until then its trees are verified whole,
+        which is how the first observations come)."""
+        return self.overall.get(drafter, (0.0, 0.0))[1] >= self.min_seen
+
+    def survival(self, tree: DraftTree) -> list[float]:
+        """Per node, the odds that it is accepted: its conditional odds times its parent's survival. A later
+        sibling never ranks above an earlier one (drafters order children best first)."""
+        out: list[float] = []
+        prev_sibling: dict[int, float] = {}
+        for i, p in enumerate(tree.parents):
+            s = (1.0 if p < 0 else out[p]) * self.odds(tree.drafter, self._features(tree, i))
+            s = min(s, prev_sibling.get(p, s))
+            prev_sibling[p] = s
+            out.append(s)
+        return out
+
+    def observe(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
+        """A verified tree: every node whose parent was accepted (or is the root) was reached, and it was accepted
+        if it lies on the accepted path."""
+        path = set(accepted_nodes)
+        for i, p in enumerate(tree.parents):
+            if p < 0 or p in path:
+                self._count(tree.drafter, self._features(tree, i), i in path)
+
+    def observe_path(self, drafter: str, features: list[tuple[int, int]], matched: int) -> None:
+        """A shadow draft path scored against the tokens the sequence went on to emit: its first `matched` nodes
+        would have been accepted, the next one rejected."""
+        for f in features[: matched + 1]:
+            self._count(drafter, f, matched > 0)
+            matched -= 1
+
+    def _count(self, drafter: str, features: tuple[int, int], hit: bool) -> None:
+        cell = self.cells.setdefault((drafter, *features), [0.0, 0.0])
+        total = self.overall.setdefault(drafter, [0.0, 0.0])
+        cell[0] += hit
+        cell[1] += 1
+        total[0] += hit
+        total[1] += 1
+
+    def path_features(self, tree: DraftTree) -> list[tuple[int, int]]:
+        """Features of the nodes along the tree's first-child path (a shadow draft's path)."""
+        out, node = [], -1
+        kids = tree.kids_of()
+        while kids.get(node):
+            node = kids[node][0]
+            out.append(self._features(tree, node))
+        return out
+
+    def end_rollout(self) -> None:
+        for table in (self.cells, self.overall):
+            for cell in table.values():
+                cell[0] *= 0.5
+                cell[1] *= 0.5
+
+
+class StepCost:
+    """Seconds of a decode step (forward, sampling, acceptance; drafting aside) as c * B + r * (rows - B), fitted per
+    batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local, because what a
+    draft row costs relative to a sequence changes with the batch: in the tail a pass streams the weights whatever its
+    few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py), and one global line
+    through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where they cost 0.4 and 25."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self.fits: dict[int, list] = {}  # bucket -> [xx (2x2), xy (2)]
+
+    def record(self, B: int, rows: int, seconds: float) -> None:
+        x = (float(B), float(rows - B))
+        fit = self.fits.setdefault(batch_bucket(B), [[[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]])
+        xx, xy, d = fit[0], fit[1], self.decay
+        for i in range(2):
+            xy[i] = d * xy[i] + seconds * x[i]
+            for j in range(2):
+                xx[i][j] = d * xx[i][j] + x[i] * x[j]
+
+    def coefficients(self, B: int) -> tuple[float, float] | None:
+        """(seconds per sequence, seconds per draft row) at this batch size; None until the bucket has seen steps
+        with and without draft rows (or with different shares of them)."""
+        fit = self.fits.get(batch_bucket(B))
+        if fit is None:
+            return None
+        (a, b), (_, c) = fit[0]
+        y0, y1 = fit[1]
+        det = a * c - b * b
+        if det <= 1e-6 * a * c or a <= 0 or c <= 0:
+            return None
+        per_seq, per_row = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
+        return (per_seq, max(per_row, 0.0)) if per_seq > 0 else None
+
+    def predict(self, rows: float, B: int) -> float | None:
+        k = self.coefficients(B)
+        return None if k is None else k[0] * B + k[1] * (rows - B)
+
+
+def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
+             step_s: Callable[[float], float | None]) -> list[DraftTree | None]:
+    """The trees cut to the nodes worth verifying. step_s(rows): predicted seconds of a verify step of the B
+    sequences with that many rows in its pass (None: not known yet, and every tree is kept whole)."""
+    fixed_rows, fixed_gain = B, float(B)
+    slots: list[tuple[float, int, int, int]] = []  # (-survival, depth, sequence, node)
+    whole: set[int] = set()
+    for b, tree in enumerate(trees):
+        if tree is None:
+            continue
+        surv = model.survival(tree)
+        if tree.q or not model.known(tree.drafter):  # sampled children, or odds not measured yet: kept whole
+            fixed_rows += len(tree)
+            fixed_gain += sum(surv)
+            whole.add(b)
+            continue
+        depths = tree.depths()
+        slots += [(-s, d, b, i) for i, (s, d) in enumerate(zip(surv, depths))]
+    if not slots:
+        return trees
+    t0, t1 = step_s(fixed_rows), step_s(fixed_rows + len(slots))
+    if t0 is None or t1 is None or t0 <= 0:
+        return trees
+    per_row = max(t1 - t0, 0.0) / len(slots)
+    slots.sort()  # best odds first; a node never before its parent (no better odds, and shallower)
+    best_n, best, gain = 0, fixed_gain / t0, fixed_gain
+    for n, slot in enumerate(slots, 1):
+        gain -= slot[0]
+        rate = gain / (t0 + per_row * n)
+        if rate > best:
+            best_n, best = n, rate
+    keep: dict[int, set[int]] = {}
+    for _, _, b, i in slots[:best_n]:
+        keep.setdefault(b, set()).add(i)
+    out: list[DraftTree | None] = []
+    for b, tree in enumerate(trees):
+        if tree is None or b in whole:
+            out.append(tree)
+            continue
+        chosen, kept = keep.get(b, set()), set()
+        for i, p in enumerate(tree.parents):  # parents come first: a node stays only under a kept parent
+            if i in chosen and (p < 0 or p in kept):
+                kept.add(i)
+        nodes = sorted(kept)
+        out.append(tree if len(nodes) == len(tree) else tree.subset(nodes) if nodes else None)
+    return out

@@ -1,0 +1,113 @@
+import random
+
+import torch
+
+from tailrl.spec.allocate import AcceptanceModel, allocate
+from tailrl.spec.tree import DraftTree
+
+
+def chain(tokens, cond, support, drafter="history"):
+    t = DraftTree.chain(tokens, drafter)
+    t.cond, t.support = list(cond), list(support)
+    return t
+
+
+def trained_model(p_sure=0.9, p_guess=0.1, n=400, seed=0):
+    """Nodes the drafter is sure of (cond 1.0 over 16 continuations) are accepted with p_sure, guesses (cond 0.2
+    over 2) with p_guess."""
+    rng = random.Random(seed)
+    m = AcceptanceModel()
+    for _ in range(n):
+        sure = chain([1], [1.0], [16])
+        m.observe(sure, [0] if rng.random() < p_sure else [])
+        guess = chain([2], [0.2], [2])
+        m.observe(guess, [0] if rng.random() < p_guess else [])
+    return m
+
+
+def test_calibrated_odds_follow_what_was_accepted_not_the_drafters_claim():
+    m = trained_model()
+    sure = chain([5, 6], [1.0, 1.0], [16, 16])
+    guess = chain([7], [0.2], [2])
+    s = m.survival(sure)
+    assert abs(s[0] - 0.9) < 0.05 and abs(s[1] - s[0] * s[0]) < 1e-9  # survival multiplies along the path
+    assert abs(m.survival(guess)[0] - 0.1) < 0.05
+    m.end_rollout()  # halving the counts keeps the estimates
+    assert abs(m.survival(guess)[0] - 0.1) < 0.06
+
+
+def test_where_rows_cost_a_third_of_a_sequence_only_likely_nodes_are_verified():
+    m = trained_model()
+    B = 4
+    trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16]), None,
+             chain([6], [1.0], [16])]
+    cost = lambda rows: 1.0 + (rows - B) / (3 * B)  # a plain step of the 4 costs 1, a draft row a third of a sequence
+    out = allocate(trees, m, B, cost)
+    assert out[0].tokens == [1, 2]  # 0.9, 0.81 kept; the guess after them (0.08) dropped
+    assert out[1] is None  # its first node is a guess: the whole chain goes
+    assert out[2] is None and out[3].tokens == [6]
+    out[0].validate(10)
+
+
+def test_where_rows_are_free_every_node_is_verified():
+    m = trained_model()
+    trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16])]
+    out = allocate(trees, m, 2, lambda rows: 1.0 + 0.001 * rows)
+    assert [t.tokens for t in out] == [[1, 2, 3], [4, 5]]
+
+
+def test_unmeasured_costs_or_odds_keep_the_trees_whole():
+    trees = [chain([1, 2], [0.2, 0.2], [2, 2])]
+    assert allocate(trees, trained_model(), 1, lambda rows: None) == trees
+    fresh = AcceptanceModel()  # no node of this drafter seen yet
+    assert allocate(trees, fresh, 1, lambda rows: 1.0 + rows) == trees
+
+
+def test_sampled_trees_are_never_cut():
+    """A tree whose children were drawn from q keeps all of them: cutting by what was drawn would bias rejection
+    sampling."""
+    m = trained_model()
+    t = chain([2, 3], [0.2, 0.2], [2, 2])
+    t.q = {-1: torch.full((10,), 0.1), 0: torch.full((10,), 0.1)}
+    out = allocate([t, chain([2], [0.2], [2])], m, 2, lambda rows: 1.0 + rows)
+    assert out[0] is t and out[1] is None
+
+
+def test_a_branching_tree_is_cut_to_a_valid_subtree():
+    m = trained_model()
+    # root -> a (sure) -> b (guess), root -> c (guess) -> d (sure)
+    t = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], drafter="history", cond=[1.0, 0.2, 0.2, 1.0], support=[16, 2, 2, 16])
+    out = allocate([t], m, 1, lambda rows: 1.0 + (rows - 1) / 3)[0]
+    out.validate(10)
+    assert out.tokens == [1] and out.parents == [-1]
+    # a model that trusts everything keeps the whole tree, parents before children
+    full = allocate([t], trained_model(p_guess=0.95), 1, lambda rows: 1.0 + (rows - 1) / 3)[0]
+    assert full.tokens == [1, 2, 3, 4] and full.parents == [-1, 0, -1, 2]
+
+
+def test_shadow_paths_teach_the_odds():
+    m = AcceptanceModel()
+    f = m.path_features(chain([1, 2, 3], [1.0, 1.0, 1.0], [16, 16, 16]))
+    for _ in range(50):
+        m.observe_path("history", f, 1)  # the first node matches, the second does not, the third is never reached
+    assert m.known("history")
+    s = m.survival(chain([1, 2], [1.0, 1.0], [16, 16]))
+    assert abs(s[0] - 0.5) < 0.05  # 50 of 100 reached nodes accepted
+
+
+def test_step_cost_tells_a_draft_row_from_a_sequence_per_batch_bucket():
+    from tailrl.spec.allocate import StepCost
+
+    cost = StepCost()
+    for B in range(40, 64, 3):
+        cost.record(B, B, 0.002 * B)  # plain steps alone cannot price a draft row
+    assert cost.predict(100, 50) is None
+    rng = random.Random(0)
+    for B in range(40, 64):
+        for k in (1, 2, 4):
+            rows = B * (1 + k)
+            cost.record(B, rows, (0.002 * B + 0.0004 * (rows - B)) * (1 + 0.02 * rng.uniform(-1, 1)))
+        cost.record(2, 4, 0.025)  # another bucket: its own fit
+    per_seq, per_row = cost.coefficients(50)
+    assert abs(per_seq - 0.002) < 1e-4 and abs(per_row - 0.0004) < 5e-5
+    assert cost.coefficients(2) is None  # one shape only in that bucket
