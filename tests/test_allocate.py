@@ -56,11 +56,12 @@ def test_where_rows_are_free_every_node_is_verified():
     assert [t.tokens for t in out] == [[1, 2, 3], [4, 5]]
 
 
-def test_unmeasured_costs_or_odds_keep_the_trees_whole():
-    trees = [chain([1, 2], [0.2, 0.2], [2, 2])]
-    assert allocate(trees, trained_model(), 1, lambda rows: None) == trees
-    fresh = AcceptanceModel()  # no node of this drafter seen yet
-    assert allocate(trees, fresh, 1, lambda rows: 1.0 + rows) == trees
+def test_before_anything_is_measured_only_the_first_nodes_are_verified():
+    """A fresh table gives even odds and an unmeasured step prices a row at ROW_PRIOR of a sequence: the first
+    node of each chain is verified (0.5 > 0.3), its deeper nodes (0.25, 0.125, ...) are not."""
+    trees = [chain([1, 2, 3, 4], [0.2] * 4, [2] * 4), chain([5, 6], [1.0, 1.0], [16, 16])]
+    out = allocate(trees, AcceptanceModel(), 2, lambda rows: None)
+    assert [t.tokens for t in out] == [[1], [5]]
 
 
 def test_sampled_trees_are_never_cut():
@@ -90,7 +91,6 @@ def test_shadow_paths_teach_the_odds():
     f = m.path_features(chain([1, 2, 3], [1.0, 1.0, 1.0], [16, 16, 16]))
     for _ in range(50):
         m.observe_path("history", f, 1)  # the first node matches, the second does not, the third is never reached
-    assert m.known("history")
     s = m.survival(chain([1, 2], [1.0, 1.0], [16, 16]))
     assert abs(s[0] - 0.5) < 0.05  # 50 of 100 reached nodes accepted
 

@@ -10,14 +10,14 @@ MODES = ("off", "auto", "history", "ngram", "learned")
 @dataclass
 class SpecConfig:
     mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram | learned (always that drafter)
-    # draft tokens per sequence the selector chooses among. With `allocate` a budget is a cap: the allocator verifies
-    # the nodes whose odds pay, so small budgets only hid long confident drafts (replays: accept 2.3 -> 4.3 at step 8)
-    budgets: tuple[int, ...] = (4, 16)
+    budgets: tuple[int, ...] = (1, 2, 4, 8, 16)  # draft tokens per sequence the selector chooses among (caps, with allocate)
     max_depth: int = 16  # per-request adaptive draft depth: doubles on full acceptance, halves on rejection
     init_depth: int = 4
     min_depth: int = 2
     min_prob: float = 0.1  # stop drafting where the estimated probability of a path falls below this
-    allocate: bool = True  # verify only the drafted nodes whose calibrated odds pay for their rows (spec/allocate.py)
+    # verify only the drafted nodes whose calibrated odds pay for their rows (spec/allocate.py); off by default: on
+    # this CPU it won where the policy repeats itself and lost where it does not (benchmarks/RESULTS.md)
+    allocate: bool = False
     min_match: int = 2  # history: shortest suffix match worth drafting from
     match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset
     match_offset: int = 1
