@@ -2,7 +2,7 @@ import random
 
 import torch
 
-from tailrl.spec.allocate import AcceptanceModel, allocate
+from tailrl.spec.allocate import AcceptanceModel, StepCost, allocate
 from tailrl.spec.tree import DraftTree
 
 
@@ -41,8 +41,7 @@ def test_where_rows_cost_a_third_of_a_sequence_only_likely_nodes_are_verified():
     B = 4
     trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16]), None,
              chain([6], [1.0], [16])]
-    cost = lambda rows: 1.0 + (rows - B) / (3 * B)  # a plain step of the 4 costs 1, a draft row a third of a sequence
-    out = allocate(trees, m, B, cost)
+    out = allocate(trees, m, B, (1 / B, 1 / (3 * B), 0.0))  # a plain step of the 4 costs 1, a draft row a third of a sequence
     assert out[0].tokens == [1, 2]  # 0.9, 0.81 kept; the guess after them (0.08) dropped
     assert out[1] is None  # its first node is a guess: the whole chain goes
     assert out[2] is None and out[3].tokens == [6]
@@ -52,7 +51,7 @@ def test_where_rows_cost_a_third_of_a_sequence_only_likely_nodes_are_verified():
 def test_where_rows_are_free_every_node_is_verified():
     m = trained_model()
     trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16])]
-    out = allocate(trees, m, 2, lambda rows: 1.0 + 0.001 * rows)
+    out = allocate(trees, m, 2, (0.5, 0.001, 0.0))
     assert [t.tokens for t in out] == [[1, 2, 3], [4, 5]]
 
 
@@ -60,7 +59,7 @@ def test_before_anything_is_measured_only_the_first_nodes_are_verified():
     """A fresh table gives even odds and an unmeasured step prices a row at ROW_PRIOR of a sequence: the first
     node of each chain is verified (0.5 > 0.3), its deeper nodes (0.25, 0.125, ...) are not."""
     trees = [chain([1, 2, 3, 4], [0.2] * 4, [2] * 4), chain([5, 6], [1.0, 1.0], [16, 16])]
-    out = allocate(trees, AcceptanceModel(), 2, lambda rows: None)
+    out = allocate(trees, AcceptanceModel(), 2, None)
     assert [t.tokens for t in out] == [[1], [5]]
 
 
@@ -70,7 +69,7 @@ def test_sampled_trees_are_never_cut():
     m = trained_model()
     t = chain([2, 3], [0.2, 0.2], [2, 2])
     t.q = {-1: torch.full((10,), 0.1), 0: torch.full((10,), 0.1)}
-    out = allocate([t, chain([2], [0.2], [2])], m, 2, lambda rows: 1.0 + rows)
+    out = allocate([t, chain([2], [0.2], [2])], m, 2, (0.5, 1.0, 0.0))
     assert out[0] is t and out[1] is None
 
 
@@ -78,11 +77,11 @@ def test_a_branching_tree_is_cut_to_a_valid_subtree():
     m = trained_model()
     # root -> a (sure) -> b (guess), root -> c (guess) -> d (sure)
     t = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], drafter="history", cond=[1.0, 0.2, 0.2, 1.0], support=[16, 2, 2, 16])
-    out = allocate([t], m, 1, lambda rows: 1.0 + (rows - 1) / 3)[0]
+    out = allocate([t], m, 1, (1.0, 1 / 3, 0.0))[0]
     out.validate(10)
     assert out.tokens == [1] and out.parents == [-1]
     # a model that trusts everything keeps the whole tree, parents before children
-    full = allocate([t], trained_model(p_guess=0.95), 1, lambda rows: 1.0 + (rows - 1) / 3)[0]
+    full = allocate([t], trained_model(p_guess=0.95), 1, (1.0, 1 / 3, 0.0))[0]
     assert full.tokens == [1, 2, 3, 4] and full.parents == [-1, 0, -1, 2]
 
 
@@ -96,18 +95,32 @@ def test_shadow_paths_teach_the_odds():
 
 
 def test_step_cost_tells_a_draft_row_from_a_sequence_per_batch_bucket():
-    from tailrl.spec.allocate import StepCost
-
     cost = StepCost()
-    for B in range(40, 64, 3):
-        cost.record(B, B, 0.002 * B)  # plain steps alone cannot price a draft row
-    assert cost.predict(100, 50) is None
+    assert cost.coefficients(50) is None
     rng = random.Random(0)
     for B in range(40, 64):
+        cost.record(B, B, 0.002 * B)
         for k in (1, 2, 4):
             rows = B * (1 + k)
-            cost.record(B, rows, (0.002 * B + 0.0004 * (rows - B)) * (1 + 0.02 * rng.uniform(-1, 1)))
-        cost.record(2, 4, 0.025)  # another bucket: its own fit
-    per_seq, per_row = cost.coefficients(50)
-    assert abs(per_seq - 0.002) < 1e-4 and abs(per_row - 0.0004) < 5e-5
-    assert cost.coefficients(2) is None  # one shape only in that bucket
+            cost.record(B, rows, (0.002 * B + 0.0004 * (rows - B) + 0.003) * (1 + 0.005 * rng.uniform(-1, 1)))
+    per_seq, per_row, per_verify = cost.coefficients(50)
+    assert abs(per_seq - 0.002) < 1e-4 and abs(per_row - 0.0004) < 5e-5 and 0 < per_verify < 0.006  # the least determined term (the prior pulls it down)
+    assert cost.coefficients(2) is None  # another bucket: nothing seen there
+
+
+def test_an_overpriced_row_is_forgotten_when_no_rows_are_verified():
+    """Steps that verify nothing say nothing of a row's price: as rollouts end, the prior brings it back towards
+    ROW_PRIOR of a sequence-step, so a node with the odds history's confident continuations have (0.8-0.95) is worth
+    its row again (rate with it > rate without it when per_row < odds * per_seq)."""
+    cost = StepCost()
+    for _ in range(10):  # a row priced at twice a sequence
+        cost.record(48, 48, 0.002 * 48)
+        for k in (1, 2):
+            cost.record(48, 48 * (1 + k), 0.002 * 48 + 0.004 * 48 * k)
+    assert cost.coefficients(48)[1] > 0.003
+    for _ in range(3):  # then three rollouts of plain steps only in that bucket
+        for _ in range(40):
+            cost.record(48, 48, 0.002 * 48)
+        cost.end_rollout()
+    per_seq, per_row, _ = cost.coefficients(48)
+    assert abs(per_seq - 0.002) < 1e-4 and per_row < 0.6 * per_seq

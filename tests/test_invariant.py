@@ -24,15 +24,17 @@ def smollm_bf16():
 @pytest.mark.parametrize("allocate", [False, True])
 def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16, allocate):
     """Exact equality of every sampled token, no near-tie allowance: without the invariant passes this fails
-    (18 of 32 responses diverged when it was measured). Epsilon 0.3 makes the selector mix arms and budgets, so
-    tokens meet passes of many shapes: plain and verify, batch 32 down to a lone sequence. With `allocate` the
-    drafts are cut by their odds, which may change what is verified but never what is emitted."""
+    (18 of 32 responses diverged when it was measured). Epsilon 0.3 makes the selector mix budgets, and sequences
+    without a match decode plainly beside drafted ones, so tokens meet passes of many shapes: plain and verify,
+    batch 32 down to a lone sequence. With `allocate` the drafts are cut by their odds, which may change what is
+    verified but never what is emitted. (Mode history, not auto: auto's choice of plain decoding follows measured
+    timings, and in one full-suite run it chose plain for every step and the test exercised nothing.)"""
     model, tok = smollm_bf16
     chats = CHATS + MATH
     params = SamplingParams(temperature=1.0, max_tokens=64, n=4, seed=5)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True)).generate(chats, params)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True,
-                                          spec=SpecConfig(mode="auto", min_match=1, epsilon=0.3, allocate=allocate)))
+                                          spec=SpecConfig(mode="history", min_match=1, epsilon=0.3, allocate=allocate)))
     eng.generate(chats, params)  # the history of the second epoch
     outs = eng.generate(chats, params)
     assert sum(o.stats["accepted"] for o in outs) > 50, "speculation barely ran: the test exercised little"

@@ -16,7 +16,7 @@ how many children a node keeps does not depend on which children were drawn."""
 
 from __future__ import annotations
 
-from typing import Callable
+import numpy as np
 
 from .selector import batch_bucket
 from .tree import DraftTree
@@ -107,50 +107,62 @@ class AcceptanceModel:
 
 
 class StepCost:
-    """Seconds of a decode step (forward, sampling, acceptance; drafting aside) as c * B + r * (rows - B), fitted per
-    batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local, because what a
-    draft row costs relative to a sequence changes with the batch: in the tail a pass streams the weights whatever its
-    few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py), and one global line
-    through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where they cost 0.4 and 25."""
+    """Seconds of a decode step (forward, sampling, acceptance; drafting aside) as
+        c * B + r * (rows - B) + v * [it verifies any draft row],
+    fitted per batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local,
+    because what a draft row costs relative to a sequence changes with the batch: in the tail a pass streams the
+    weights whatever its few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py),
+    and one global line through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where they cost 0.4 and 25.
+    The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the cache) off the rows.
 
-    def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.fits: dict[int, list] = {}  # bucket -> [xx (2x2), xy (2)]
+    A ridge prior pulls r towards ROW_PRIOR of the bucket's cost per sequence and v towards 0, worth `prior_steps`
+    steps, and each rollout's end halves what was measured: the fit learns a row's price only from steps that verify rows, so without the prior a price that came out
+    high stopped all verification in its bucket and was never corrected (seed 1 of the default run, session 10)."""
+
+    def __init__(self, decay: float = 0.98, prior_steps: float = 2.0):
+        self.decay, self.prior_steps = decay, prior_steps
+        self.fits: dict[int, list] = {}  # bucket -> [xx (3x3), xy (3), steps (decayed count)]
 
     def record(self, B: int, rows: int, seconds: float) -> None:
-        x = (float(B), float(rows - B))
-        fit = self.fits.setdefault(batch_bucket(B), [[[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]])
-        xx, xy, d = fit[0], fit[1], self.decay
-        for i in range(2):
-            xy[i] = d * xy[i] + seconds * x[i]
-            for j in range(2):
-                xx[i][j] = d * xx[i][j] + x[i] * x[j]
+        x = np.array([float(B), float(rows - B), float(rows > B)])
+        fit = self.fits.setdefault(batch_bucket(B), [np.zeros((3, 3)), np.zeros(3), 0.0])
+        d = self.decay
+        fit[0] = d * fit[0] + np.outer(x, x)
+        fit[1] = d * fit[1] + seconds * x
+        fit[2] = d * fit[2] + 1.0
 
-    def coefficients(self, B: int) -> tuple[float, float] | None:
-        """(seconds per sequence, seconds per draft row) at this batch size; None until the bucket has seen steps
-        with and without draft rows (or with different shares of them)."""
+    def end_rollout(self) -> None:
+        """What was measured counts half against the prior from here on (like the acceptance table): a price learned
+        in one rollout is re-tried in the next ones unless verified steps keep confirming it."""
+        for fit in self.fits.values():
+            fit[0] *= 0.5
+            fit[1] *= 0.5
+            fit[2] *= 0.5
+
+    def coefficients(self, B: int) -> tuple[float, float, float] | None:
+        """(seconds per sequence, per draft row, per verify step) at this batch size; None before the bucket's
+        first step."""
         fit = self.fits.get(batch_bucket(B))
-        if fit is None:
+        if fit is None or fit[0][0, 0] <= 0:
             return None
-        (a, b), (_, c) = fit[0]
-        y0, y1 = fit[1]
-        det = a * c - b * b
-        if det <= 1e-6 * a * c or a <= 0 or c <= 0:
-            return None
-        per_seq, per_row = (c * y0 - b * y1) / det, (a * y1 - b * y0) / det
-        return (per_seq, max(per_row, 0.0)) if per_seq > 0 else None
-
-    def predict(self, rows: float, B: int) -> float | None:
-        k = self.coefficients(B)
-        return None if k is None else k[0] * B + k[1] * (rows - B)
+        xx, xy, steps = fit[0].copy(), fit[1].copy(), fit[2]
+        per_seq = xy[0] / xx[0, 0]  # as if every step were plain: the prior's scale
+        mean_b2 = xx[0, 0] / steps  # a step's B^2: the prior counts as prior_steps steps of B draft rows each
+        lam = self.prior_steps * mean_b2
+        xx[1, 1] += lam
+        xy[1] += lam * ROW_PRIOR * per_seq
+        xx[2, 2] += self.prior_steps
+        c, r, v = np.linalg.solve(xx, xy)
+        return (float(c), max(float(r), 0.0), max(float(v), 0.0)) if c > 0 else None
 
 
 def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
-             step_s: Callable[[float], float | None]) -> list[DraftTree | None]:
-    """The trees cut to the nodes worth verifying. step_s(rows): predicted seconds of a verify step of the B
-    sequences with that many rows in its pass; None until measured, and then a draft row is priced at
-    ROW_PRIOR of a sequence-step (a fifth to a third at 16-64 sequences on this CPU, less on a GPU)."""
-    fixed_rows, fixed_gain = B, float(B)
+             cost: tuple[float, float, float] | None) -> list[DraftTree | None]:
+    """The trees cut to the nodes worth verifying. cost: (seconds per sequence, per draft row, per verify step) at
+    this batch (StepCost); None until measured, and then a row is priced at ROW_PRIOR of a sequence-step (a fifth to a
+    third at 16-64 sequences on this CPU, less on a GPU)."""
+    per_seq, per_row, per_verify = cost if cost is not None else (1.0, ROW_PRIOR, 0.0)
+    fixed_rows, fixed_gain = 0, float(B)
     slots: list[tuple[float, int, int, int]] = []  # (-survival, depth, sequence, node)
     whole: set[int] = set()
     for b, tree in enumerate(trees):
@@ -166,15 +178,15 @@ def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
         slots += [(-s, d, b, i) for i, (s, d) in enumerate(zip(surv, depths))]
     if not slots:
         return trees
-    t0, t1 = step_s(fixed_rows), step_s(fixed_rows + len(slots))
-    if t0 is None or t1 is None or t0 <= 0:  # in units of a sequence-step
-        t0, t1 = B + ROW_PRIOR * (fixed_rows - B), B + ROW_PRIOR * (fixed_rows - B + len(slots))
-    per_row = max(t1 - t0, 0.0) / len(slots)
+
+    def seconds(rows: int) -> float:
+        return per_seq * B + per_row * rows + (per_verify if rows else 0.0)
+
     slots.sort()  # best odds first; a node never before its parent (no better odds, and shallower)
-    best_n, best, gain = 0, fixed_gain / t0, fixed_gain
+    best_n, best, gain = 0, fixed_gain / seconds(fixed_rows), fixed_gain
     for n, slot in enumerate(slots, 1):
         gain -= slot[0]
-        rate = gain / (t0 + per_row * n)
+        rate = gain / seconds(fixed_rows + n)
         if rate > best:
             best_n, best = n, rate
     keep: dict[int, set[int]] = {}

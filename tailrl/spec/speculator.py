@@ -66,6 +66,7 @@ class Speculator:
         for d in self.drafters.values():
             d.end_rollout()
         self.odds.end_rollout()
+        self.step_cost.end_rollout()
         return self.watchdog.end_rollout(list(self.drafters))
 
     def _watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
@@ -111,7 +112,7 @@ class Speculator:
                     trees[i] = None
         trees = [t.preorder() if t else None for t in trees]
         if self.cfg.allocate:
-            trees = allocate(trees, self.odds, B, lambda rows: self.step_cost.predict(rows, B))
+            trees = allocate(trees, self.odds, B, self.step_cost.coefficients(B))
         self._trees = trees
         return arm, self._trees
 
