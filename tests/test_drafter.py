@@ -277,8 +277,9 @@ def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
     model_dir = str(make_tiny_chat_model(tmp_path / "m"))
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i} + {i} =", "answer": str(2 * i)}) for i in range(32)))
+    # mode learned: the head drafts every step (auto may decode plainly throughout, as it chose in one full-suite run)
     extra = ["drafter.enabled=true", "drafter.draft_vocab=0", "drafter.spot_batch=64", "drafter.spot_share=1.0",
-             "drafter.batch_tokens=64", "rollout.max_tokens=12"]
+             "drafter.batch_tokens=64", "rollout.max_tokens=12", "rollout.spec.mode=learned"]
     out = train(tiny_cfg(model_dir, str(data), tmp_path / "run", "trainer.steps=2", *extra))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
