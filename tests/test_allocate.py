@@ -41,7 +41,7 @@ def test_where_rows_cost_a_third_of_a_sequence_only_likely_nodes_are_verified():
     B = 4
     trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16]), None,
              chain([6], [1.0], [16])]
-    out = allocate(trees, m, B, (1 / B, 1 / (3 * B), 0.0))  # a plain step of the 4 costs 1, a draft row a third of a sequence
+    out = allocate(trees, m, B, (1 / B, 1 / (3 * B), 0.0))  # a plain step of the 4 costs 1, a row a third of a sequence
     assert out[0].tokens == [1, 2]  # 0.9, 0.81 kept; the guess after them (0.08) dropped
     assert out[1] is None  # its first node is a guess: the whole chain goes
     assert out[2] is None and out[3].tokens == [6]
@@ -104,7 +104,8 @@ def test_step_cost_tells_a_draft_row_from_a_sequence_per_batch_bucket():
             rows = B * (1 + k)
             cost.record(B, rows, (0.002 * B + 0.0004 * (rows - B) + 0.003) * (1 + 0.005 * rng.uniform(-1, 1)))
     per_seq, per_row, per_verify = cost.coefficients(50)
-    assert abs(per_seq - 0.002) < 1e-4 and abs(per_row - 0.0004) < 5e-5 and 0 < per_verify < 0.006  # the least determined term (the prior pulls it down)
+    assert abs(per_seq - 0.002) < 1e-4 and abs(per_row - 0.0004) < 5e-5
+    assert 0 < per_verify < 0.006  # the least determined term (the prior pulls it down)
     assert cost.coefficients(2) is None  # another bucket: nothing seen there
 
 

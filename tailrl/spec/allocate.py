@@ -78,9 +78,8 @@ class AcceptanceModel:
     def observe_path(self, drafter: str, features: list[tuple[int, int]], matched: int) -> None:
         """A shadow draft path scored against the tokens the sequence went on to emit: its first `matched` nodes
         would have been accepted, the next one rejected."""
-        for f in features[: matched + 1]:
-            self._count(drafter, f, matched > 0)
-            matched -= 1
+        for k, f in enumerate(features[: matched + 1]):
+            self._count(drafter, f, k < matched)
 
     def _count(self, drafter: str, features: tuple[int, int], hit: bool) -> None:
         cell = self.cells.setdefault((drafter, *features), [0.0, 0.0])
@@ -116,8 +115,9 @@ class StepCost:
     The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the cache) off the rows.
 
     A ridge prior pulls r towards ROW_PRIOR of the bucket's cost per sequence and v towards 0, worth `prior_steps`
-    steps, and each rollout's end halves what was measured: the fit learns a row's price only from steps that verify rows, so without the prior a price that came out
-    high stopped all verification in its bucket and was never corrected (seed 1 of the default run, session 10)."""
+    steps, and each rollout's end halves what was measured: the fit learns a row's price only from steps that
+    verify rows, so without the prior a price that came out high stopped all verification in its bucket and was
+    never corrected (seed 1 of the default run, session 10)."""
 
     def __init__(self, decay: float = 0.98, prior_steps: float = 2.0):
         self.decay, self.prior_steps = decay, prior_steps

@@ -10,7 +10,7 @@ MODES = ("off", "auto", "history", "ngram", "learned")
 @dataclass
 class SpecConfig:
     mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram | learned (always that drafter)
-    budgets: tuple[int, ...] = (1, 2, 4, 8, 16)  # draft tokens per sequence the selector chooses among (caps, with allocate)
+    budgets: tuple[int, ...] = (1, 2, 4, 8, 16)  # draft tokens per sequence the selector chooses (caps with allocate)
     max_depth: int = 16  # per-request adaptive draft depth: doubles on full acceptance, halves on rejection
     init_depth: int = 4
     min_depth: int = 2

@@ -139,19 +139,21 @@ class Speculator:
         """record: the decode step's StepRecord (its plain-decoding estimate is filled in here); verdicts: per
         running sequence, the accepted nodes and the tokens actually emitted."""
         B = len(running)
+        cfg = self.cfg
         plain = self.selector.plain_step_s(B)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
-        self.step_cost.record(B, record.tokens_in_pass, record.total_s - record.draft_s)
+        if cfg.allocate:  # what the allocator learns from; nothing to keep when it is off
+            self.step_cost.record(B, record.tokens_in_pass, record.total_s - record.draft_s)
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
                              record.drafted, record.draft_s)
         if record.drafted:
             self._watch(arm.drafter, "verified", record.accepted, record.drafted, running)
         trees = self._trees or [None] * B
-        cfg = self.cfg
         for s, tree, v in zip(running, trees, verdicts):
             if tree is not None:
-                self.odds.observe(tree, v.accepted_nodes)
+                if cfg.allocate:
+                    self.odds.observe(tree, v.accepted_nodes)
                 full = bool(v.accepted_nodes) and not tree.children(v.accepted_nodes[-1])
                 s.spec_depth = min(2 * s.spec_depth, cfg.max_depth) if full else max(s.spec_depth // 2, cfg.min_depth)
                 used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
@@ -190,7 +192,8 @@ class Speculator:
                         m += 1
                     if m < min(len(path), len(got)) or len(got) >= len(path):
                         self.selector.record_shadow(d.name, m, len(path))
-                        self.odds.observe_path(features[0], features[1], m)
+                        if features is not None:
+                            self.odds.observe_path(*features, m)
                         self._watch(d.name, "shadow", m, len(path), [s])
                         pending = None
                 if pending is None:
@@ -201,7 +204,8 @@ class Speculator:
                         tree = None
                     path = tree.top_path() if tree else []
                     if path:
-                        s.shadow[d.name] = (len(s.output_ids), path, (tree.drafter, self.odds.path_features(tree)))
+                        features = (tree.drafter, self.odds.path_features(tree)) if self.cfg.allocate else None
+                        s.shadow[d.name] = (len(s.output_ids), path, features)
                     else:
                         s.shadow.pop(d.name, None)
                         self.selector.record_shadow(d.name, 0, 0)
