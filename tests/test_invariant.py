@@ -7,6 +7,7 @@ from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.invariant import contiguous_prefix, resolve_invariant
 from tailrl.model import load_model, make_step
+from tailrl.model.step import plan_split
 from tailrl.spec.config import SpecConfig
 from tailrl.spec.tree import DraftTree
 from tailrl.spec.verify import Verdict
@@ -51,6 +52,37 @@ def test_invariant_steps_pad_queries_and_fix_the_key_length():
     assert step.mask[0, 0, 1].any()  # a padded row sees a key (finite softmax); its output is dropped
     with pytest.raises(ValueError, match="num_keys=5 is less than the 6"):
         make_step([5, 3], [1, 2], [0, 1], min_q=4, num_keys=5)
+
+
+def test_split_attention_plans_the_cheaper_calls():
+    assert plan_split([5] * 60 + [17] * 4, min_q=4) == (5, list(range(60, 64)))  # 60 x 5 + 4 x 17 + 16 < 64 x 17
+    assert plan_split([1, 2, 17], min_q=4) == (4, [2])  # 3 x 4 + 17 + 16 < 3 x 17
+    assert plan_split([1, 17], min_q=4) is None  # 2 x 17 rows cost less than two calls
+    assert plan_split([4] * 8, min_q=4) is None  # nothing to split
+
+
+def test_split_attention_gives_the_very_same_bits(smollm_bf16):
+    """A verify pass whose sequences add 1 to 17 rows, once with the attention split by query rows (most at 4, the
+    deep drafts apart) and once padded to 17 for all: every logit the same, bit for bit, in bf16."""
+    from tailrl.engine.kv_cache import KVCache
+
+    model, _ = smollm_bf16
+    q_lens = [1] * 20 + [3] * 10 + [17, 9]
+    B, cache = len(q_lens), [12 + b for b in range(len(q_lens))]
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (max(cache),))
+    new = torch.randint(0, model.config.vocab_size, (sum(q_lens),))
+    outs = []
+    with torch.inference_mode():
+        for split in (False, True):
+            kv = KVCache(model.config, 64 << 20, "cpu", torch.bfloat16)
+            kv.layout(B, 64)
+            kv.ensure(B, 64)
+            model(torch.cat([prompt[:c] for c in cache]), make_step([0] * B, cache, list(range(B))), kv)
+            step = make_step(cache, q_lens, list(range(B)), min_q=4, num_keys=64, split=split)
+            assert (step.split is not None) == split
+            outs.append(model(new, step, kv)[0])
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_invariant_decode_matches_the_plain_pass_in_fp32(smollm):

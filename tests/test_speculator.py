@@ -83,6 +83,15 @@ def test_das_gives_the_long_tail_deeper_trees_and_stops_at_the_predicted_end():
     assert das_budgets(4, [lengths.remaining([1, 2], 60)], cap=16) == [8]
 
 
+def test_das_shares_the_batch_budget_when_most_requests_are_long():
+    """A full batch of long requests is not a tail: doubling them all would be a budget the selector did not choose.
+    They get the arm's budget plus the rows the requests about to end leave unused, the longest first."""
+    assert das_budgets(4, [100] * 8, cap=16) == [4] * 8
+    assert das_budgets(4, [100, 200, 1, 2, 50, 60, 70, 80], cap=16) == [5, 8, 1, 2, 4, 4, 4, 4]
+    assert das_budgets(4, [100] * 8, cap=16, share=False) == [8] * 8  # the first version
+    assert das_budgets(4, [100, 5, 5, 5, 5, 5, 5, 5], cap=16) == [8] + [4] * 7  # a quarter or fewer: the tail
+
+
 def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
     """After a rollout, the speculator knows each prompt's response length and drafts no further than it."""
     spec = SpecConfig(mode="ngram", budgets=(4,))

@@ -141,7 +141,7 @@ class ModelRunner:
         if self.invariant:
             cap = self.kv.capacity
             self.kv.ensure(B, cap)
-            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap)
+            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap, split=True)
             if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # its root again, one position on
                 logits, hidden = self._forward(roots * 2, make_step(cache_lens, [2], [0], self.device, **fixed))
                 return logits[:1], None if hidden is None else hidden[:1], q_lens, None

@@ -148,16 +148,25 @@ class Attention(nn.Module):
     def _attend(self, q, keys, vals, step: StepMeta) -> torch.Tensor:
         """keys/vals [B, n_kv, K, D] from the cache, or for a causal step the packed new tokens [T, n_kv, D] (padded
         here like the queries: right padding is harmless under a causal mask). Returns [T, heads * D]."""
-        gqa = self.n_kv != self.n_heads
         if step.causal:
             keys, vals = self._pad(keys, step), self._pad(vals, step)
-            o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, is_causal=True, enable_gqa=gqa)
-        elif gqa:  # each K/V head's query heads as one block of rows: the same bits, fewer and larger kernel tiles
-            o = _grouped_attention(self._pad(q, step), keys, vals, step.mask)
+            o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, is_causal=True,
+                                               enable_gqa=self.n_kv != self.n_heads)
+        elif step.split is not None:  # most sequences at q0 rows, the few deep drafts apart (model/step.py)
+            sp, qp = step.split, self._pad(q, step)
+            base = self._masked(qp[:, :, : sp.q0], keys, vals, step.mask[:, :, : sp.q0])
+            deep = self._masked(qp[sp.long], keys[sp.long], vals[sp.long], step.mask[sp.long])
+            width = self.n_heads * self.head_dim
+            return torch.cat([base.transpose(1, 2).reshape(-1, width), deep.transpose(1, 2).reshape(-1, width)])[sp.src]
         else:
-            o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, attn_mask=step.mask)
+            o = self._masked(self._pad(q, step), keys, vals, step.mask)
         o = o.transpose(1, 2).reshape(step.num_seqs * step.max_q, self.n_heads * self.head_dim)
         return o if step.pad_idx is None else o[step.pad_idx]
+
+    def _masked(self, q, keys, vals, mask) -> torch.Tensor:
+        if self.n_kv != self.n_heads:  # each K/V head's query heads as one block of rows: the same bits, fewer and
+            return _grouped_attention(q, keys, vals, mask)  # larger kernel tiles
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
 
     def forward_shared(self, x, cos, sin, lay: SharedPrompts) -> torch.Tensor:
         """x [prompt rows + response rows, H], packed. A prompt attends causally to itself; a response to its

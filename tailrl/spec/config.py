@@ -18,6 +18,9 @@ class SpecConfig:
     # verify only the drafted nodes whose calibrated odds pay for their rows (spec/allocate.py); off by default: on
     # this CPU it won where the policy repeats itself and lost where it does not (benchmarks/RESULTS.md)
     allocate: bool = False
+    # DAS: requests predicted to run longest get deeper trees; share = out of the rows the batch verifies anyway
+    # (or for at most a quarter of it, or one request), extend = every long request gets twice the arm's budget (spec/budgets.py)
+    das: str = "share"
     min_match: int = 2  # history: shortest suffix match worth drafting from
     match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset
     match_offset: int = 1
@@ -42,6 +45,8 @@ class SpecConfig:
             raise ValueError(f"spec min_match={self.min_match} must be >= 1 and <= max_match={self.max_match}")
         if self.history_epochs < 1:
             raise ValueError(f"spec history_epochs={self.history_epochs} must be >= 1")
+        if self.das not in ("share", "extend"):
+            raise ValueError(f"spec das={self.das!r}: choose share or extend")
         if not 0 <= self.epsilon <= 1:
             raise ValueError(f"spec epsilon={self.epsilon} must be in [0, 1]")
 

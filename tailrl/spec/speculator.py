@@ -92,7 +92,7 @@ class Speculator:
             return arm, None
         rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens (or the KV)
         left = [self.lengths.remaining(s.prompt_ids, len(s.output_ids)) for s in running]
-        wanted = das_budgets(arm.budget, left, max(self.cfg.budgets))
+        wanted = das_budgets(arm.budget, left, max(self.cfg.budgets), share=self.cfg.das == "share")
         budgets = [max(min(b, r), 0) for b, r in zip(wanted, rooms)]
         # the adaptive depth trims drafts where verify rows cost; in the tail a pass costs about a plain step up to
         # some depth, and down to that depth a rejection costs nothing, so no request drafts less
