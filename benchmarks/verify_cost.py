@@ -7,6 +7,11 @@ The selector's cost model learns the same curve online; this is the table to rea
 (a chain of k tokens pays where the tokens it emits per sequence, 1 + accepted, exceed its cost ratio).
 
     .venv/bin/python benchmarks/verify_cost.py [--batches 1 4 16 32 64] [--ks 1 2 4 8] [--rounds 7] [--sample]
+        [--deep 4 --deep-k 16]
+
+--deep N: N of each batch's sequences verify a chain of --deep-k tokens whatever k the others verify (the
+per-request adaptive depth and DAS give a few requests deep drafts), timed with the attention split by query rows
+(model/step.py: AttnSplit, the engine's default) and without it (every sequence padded to the deepest).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--deep", type=int, default=0)
+    ap.add_argument("--deep-k", type=int, default=16)
     ap.add_argument("--sample", action="store_true",
                     help="time the step as the engine does: the pass, then sampling and acceptance at T=0.7 (decide)")
     args = ap.parse_args()
@@ -42,25 +49,33 @@ def main():
     ks = [0, *args.ks]
     params = SamplingParams(temperature=0.7, max_tokens=512)
     seqs = [SimpleNamespace(params=params, output_ids=[7] * 40, seed=i) for i in range(max(args.batches))]
-    times: dict[tuple[int, int], list[float]] = {}
+    times: dict[tuple, list[float]] = {}
+    chain = lambda k: DraftTree.chain(list(range(11, 11 + k))) if k else None  # noqa: E731
+    splits = (True, False) if args.deep else (True,)
     with torch.inference_mode():  # as the engine runs it (grad mode would keep every pass's graph alive)
         for _ in range(args.rounds):
             for B in args.batches:
                 for k in ks:
-                    trees = [DraftTree.chain(list(range(11, 11 + k))) for _ in range(B)] if k else None
-                    t = time.perf_counter()
-                    logits, _, q_lens, depths = runner.decode([5] * B, [args.ctx] * B, trees)
-                    if args.sample:
-                        decide(logits, seqs[:B], trees, q_lens, depths)
-                    times.setdefault((B, k), []).append(time.perf_counter() - t)
+                    for split in splits:
+                        runner.split_attention = split
+                        deep = min(args.deep, B) if k else 0
+                        trees = [chain(k) for _ in range(B - deep)] + [chain(args.deep_k)] * deep if k else None
+                        t = time.perf_counter()
+                        logits, _, q_lens, depths = runner.decode([5] * B, [args.ctx] * B, trees)
+                        if args.sample:
+                            decide(logits, seqs[:B], trees, q_lens, depths)
+                        times.setdefault((B, k, split), []).append(time.perf_counter() - t)
     med = {key: statistics.median(v[2:] if len(v) > 3 else v) for key, v in times.items()}
     print(f"SmolLM2-135M bf16, batch-invariant passes, {args.ctx} cached tokens, {args.threads} threads, "
           f"median of {args.rounds} rounds{', with sampling at T=0.7' if args.sample else ''}\n")
+    if args.deep:
+        print(f"{args.deep} sequences of each batch verify {args.deep_k} tokens; cells: split / padded to the deepest\n")
     print("| batch | plain step ms | " + " | ".join(f"k={k}" for k in args.ks) + " |")
     print("|---|---|" + "---|" * len(args.ks))
     for B in args.batches:
-        base = med[(B, 0)]
-        print(f"| {B} | {base * 1e3:.1f} | " + " | ".join(f"{med[(B, k)] / base:.2f}x" for k in args.ks) + " |")
+        base = med[(B, 0, True)]
+        cell = lambda k: " / ".join(f"{med[(B, k, s)] / base:.2f}x" for s in splits)  # noqa: E731
+        print(f"| {B} | {base * 1e3:.1f} | " + " | ".join(cell(k) for k in args.ks) + " |")
 
 
 if __name__ == "__main__":

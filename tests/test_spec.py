@@ -155,6 +155,26 @@ def test_selector_learns_a_step_overhead_that_does_not_grow_with_the_rows():
     assert sel.choose(4) == arm
 
 
+def test_selector_predicts_each_batch_size_from_its_own_steps():
+    """A CPU's verify cost is not one line through all batch sizes: at 2 sequences 16 draft rows add 2 ms to a 25 ms
+    step, at 64 sequences 256 rows add 205 ms to 145. A global fit of a + b * rows + c * sequences through both put
+    a plain step of 2 near 57 ms (RESULTS.md, session 10), so plain decoding looked slow in the tail. Each bucket's
+    own fit gets both right."""
+    sel = Selector(SpecConfig(mode="auto", budgets=(4, 8), epsilon=0.0))
+    small, big = Arm("history", 8), Arm("history", 4)
+    for _ in range(30):
+        sel.record(OFF, 2, 2, 0.024, 0.025, 2, 0, 0.0)
+        sel.record(small, 2, 18, 0.026, 0.027, 8, 16, 0.0)
+        sel.record(OFF, 64, 64, 0.140, 0.145, 64, 0, 0.0)
+        sel.record(big, 64, 320, 0.340, 0.350, 96, 256, 0.0)
+        sel.record_shadow("ngram", 0, 4)
+    assert sel.plain_step_s(2) == pytest.approx(0.025, rel=0.05)
+    assert sel.plain_step_s(64) == pytest.approx(0.145, rel=0.05)
+    assert sel.predict(small, 2) == pytest.approx(8 / 0.027, rel=0.05)
+    assert sel.predict(big, 64) == pytest.approx(96 / 0.350, rel=0.05)
+    assert sel.choose(2) == small and sel.choose(64) == OFF  # 96 tokens in 350 ms against 64 in 145
+
+
 def test_one_slow_plain_step_does_not_keep_plain_decoding_off_for_good():
     """A pause (a collection, a re-layout) in the first plain step of a batch size must not stick: an arm that looks
     slow is not chosen again, so its estimate would never be measured away. Drafts here are never accepted."""

@@ -57,6 +57,7 @@ class ModelRunner:
         self.graphs = GraphPool(self.device, graph_budget_bytes) if cuda_graphs and on_cuda else None
         self.pad = pad
         self.invariant = invariant
+        self.split_attention = True  # invariant passes: attention in two calls by query rows where it pays (AttnSplit)
         self.batches: dict[tuple[int, int], StaticBatch] = {}  # (seqs, tokens) -> its static buffers
 
     # ---- the cache layout ---------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ class ModelRunner:
         if self.invariant:
             cap = self.kv.capacity
             self.kv.ensure(B, cap)
-            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap, split=True)
+            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap, split=self.split_attention)
             if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # its root again, one position on
                 logits, hidden = self._forward(roots * 2, make_step(cache_lens, [2], [0], self.device, **fixed))
                 return logits[:1], None if hidden is None else hidden[:1], q_lens, None

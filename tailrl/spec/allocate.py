@@ -16,14 +16,11 @@ how many children a node keeps does not depend on which children were drawn."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from .selector import batch_bucket
+from .step_cost import ROW_PRIOR, StepCost  # noqa: F401 (StepCost: the allocator's cost, imported from here too)
 from .tree import DraftTree
 
 COND_EDGES = (0.3, 0.5, 0.7, 0.9)  # the drafter's own P(node | parent accepted): history's continuation frequency
 SUPPORT_EDGES = (2, 4, 8, 16)  # how many continuations that frequency counts
-ROW_PRIOR = 0.3  # a draft row's cost in sequence-steps until the step cost is measured
 
 
 def _bucket(x: float, edges: tuple) -> int:
@@ -103,57 +100,6 @@ class AcceptanceModel:
             for cell in table.values():
                 cell[0] *= 0.5
                 cell[1] *= 0.5
-
-
-class StepCost:
-    """Seconds of a decode step (forward, sampling, acceptance; drafting aside) as
-        c * B + r * (rows - B) + v * [it verifies any draft row],
-    fitted per batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local,
-    because what a draft row costs relative to a sequence changes with the batch: in the tail a pass streams the
-    weights whatever its few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py),
-    and one global line through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where they cost 0.4 and 25.
-    The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the cache) off the rows.
-
-    A ridge prior pulls r towards ROW_PRIOR of the bucket's cost per sequence and v towards 0, worth `prior_steps`
-    steps, and each rollout's end halves what was measured: the fit learns a row's price only from steps that
-    verify rows, so without the prior a price that came out high stopped all verification in its bucket and was
-    never corrected (seed 1 of the default run, session 10)."""
-
-    def __init__(self, decay: float = 0.98, prior_steps: float = 2.0):
-        self.decay, self.prior_steps = decay, prior_steps
-        self.fits: dict[int, list] = {}  # bucket -> [xx (3x3), xy (3), steps (decayed count)]
-
-    def record(self, B: int, rows: int, seconds: float) -> None:
-        x = np.array([float(B), float(rows - B), float(rows > B)])
-        fit = self.fits.setdefault(batch_bucket(B), [np.zeros((3, 3)), np.zeros(3), 0.0])
-        d = self.decay
-        fit[0] = d * fit[0] + np.outer(x, x)
-        fit[1] = d * fit[1] + seconds * x
-        fit[2] = d * fit[2] + 1.0
-
-    def end_rollout(self) -> None:
-        """What was measured counts half against the prior from here on (like the acceptance table): a price learned
-        in one rollout is re-tried in the next ones unless verified steps keep confirming it."""
-        for fit in self.fits.values():
-            fit[0] *= 0.5
-            fit[1] *= 0.5
-            fit[2] *= 0.5
-
-    def coefficients(self, B: int) -> tuple[float, float, float] | None:
-        """(seconds per sequence, per draft row, per verify step) at this batch size; None before the bucket's
-        first step."""
-        fit = self.fits.get(batch_bucket(B))
-        if fit is None or fit[0][0, 0] <= 0:
-            return None
-        xx, xy, steps = fit[0].copy(), fit[1].copy(), fit[2]
-        per_seq = xy[0] / xx[0, 0]  # as if every step were plain: the prior's scale
-        mean_b2 = xx[0, 0] / steps  # a step's B^2: the prior counts as prior_steps steps of B draft rows each
-        lam = self.prior_steps * mean_b2
-        xx[1, 1] += lam
-        xy[1] += lam * ROW_PRIOR * per_seq
-        xx[2, 2] += self.prior_steps
-        c, r, v = np.linalg.solve(xx, xy)
-        return (float(c), max(float(r), 0.0), max(float(v), 0.0)) if c > 0 else None
 
 
 def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,

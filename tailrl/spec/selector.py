@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import SpecConfig
+from .step_cost import StepCost, batch_bucket
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,6 @@ class Arm:
 
 
 OFF = Arm("")
-
-
-def batch_bucket(B: int) -> int:
-    return max(B - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | 9-16 | ...
 
 
 def _overhead_key(spec: bool, rows: float) -> tuple[bool, int]:
@@ -136,6 +133,10 @@ class Selector:
         self.alpha = alpha
         self.cost = CostModel()
         self.pass_cost = PassCost()
+        # a step's seconds per batch-size bucket, c * B + r * (draft rows) + v * [verifies]: what arms are predicted
+        # from once their bucket has run a step (the global fits above only stand in before that; one line through
+        # all batch sizes priced a plain step of 2 at 57 ms where it costs 25, and made plain decoding look slow)
+        self.step_cost = StepCost()
         self.accept = {a: Rate() for a in self.drafter_arms}  # shadow drafts measure it even while unused
         self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft_cost = {d: 0.0 for d in drafters}  # seconds per sequence proposal
@@ -159,6 +160,9 @@ class Selector:
             return None
         accepted, drafted = est
         rows = B * (1 + drafted)
+        local = self.local_step_s(B, rows)
+        if local is not None:
+            return B * (1 + accepted) / (local + B * self.draft_cost[arm.drafter])
         t = self.forward_s(rows, B)
         if t is None:
             return None
@@ -190,8 +194,23 @@ class Selector:
         plain, wide = self.pass_cost.predict(B, B), self.pass_cost.predict(rows, B)
         return plain is not None and wide is not None and plain > 0 and wide <= slack * plain
 
+    def local_step_s(self, B: int, rows: float) -> float | None:
+        """Seconds of a step of `rows` rows over B sequences (drafting aside) from the bucket's own fit; None before
+        the bucket's first step."""
+        coef = self.step_cost.coefficients(B)
+        if coef is None:
+            return None
+        c, r, v = coef
+        return c * B + r * (rows - B) + (v if rows > B else 0.0)
+
+    def end_rollout(self) -> None:
+        self.step_cost.end_rollout()
+
     def plain_step_s(self, B: int) -> float | None:
         """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
+        local = self.local_step_s(B, B)
+        if local is not None:
+            return local
         t = self.forward_s(B, B)
         return t + self.overhead_s(False, B) if t else None
 
@@ -249,6 +268,7 @@ class Selector:
         predicted = self.predict(arm, B)
         self.cost.record(tokens_in_pass, forward_s)
         self.pass_cost.record(tokens_in_pass, B, forward_s)
+        self.step_cost.record(B, tokens_in_pass, step_s - draft_s)
         if predicted:
             key = (batch_bucket(B), arm)
             ratio = min(max((emitted / step_s) / predicted, 0.25), 4.0)

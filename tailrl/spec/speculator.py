@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from .allocate import AcceptanceModel, StepCost, allocate
+from .allocate import AcceptanceModel, allocate
 from .budgets import LengthTracker, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
@@ -45,7 +45,6 @@ class Speculator:
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
         self.odds = AcceptanceModel()
-        self.step_cost = StepCost()
 
     def attach(self, kv, chains: bool = False) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
@@ -66,7 +65,7 @@ class Speculator:
         for d in self.drafters.values():
             d.end_rollout()
         self.odds.end_rollout()
-        self.step_cost.end_rollout()
+        self.selector.end_rollout()
         return self.watchdog.end_rollout(list(self.drafters))
 
     def _watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
@@ -112,7 +111,7 @@ class Speculator:
                     trees[i] = None
         trees = [t.preorder() if t else None for t in trees]
         if self.cfg.allocate:
-            trees = allocate(trees, self.odds, B, self.step_cost.coefficients(B))
+            trees = allocate(trees, self.odds, B, self.selector.step_cost.coefficients(B))
         self._trees = trees
         return arm, self._trees
 
@@ -143,8 +142,6 @@ class Speculator:
         plain = self.selector.plain_step_s(B)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
-        if cfg.allocate:  # what the allocator learns from; nothing to keep when it is off
-            self.step_cost.record(B, record.tokens_in_pass, record.total_s - record.draft_s)
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
                              record.drafted, record.draft_s)
         if record.drafted:
