@@ -136,6 +136,15 @@ def test_selector_counts_the_overhead_of_verification_outside_the_forward():
     assert sel.plain_step_s(64) == pytest.approx(0.0364, rel=0.05)
 
 
+def _steps(sel: Selector, rounds: int, records: list[tuple]) -> None:
+    """Feeds the selector these steps (arm, then Selector.record's arguments) `rounds` times, with an n-gram shadow
+    draft that matched nothing after each round (so the n-gram arms count as measured, and poor)."""
+    for _ in range(rounds):
+        for rec in records:
+            sel.record(*rec)
+        sel.record_shadow("ngram", 0, 4)
+
+
 def test_selector_learns_a_step_overhead_that_does_not_grow_with_the_rows():
     """On a GPU a step's host work and small kernels (sampling, bookkeeping) take about 2 ms whether the pass has 4
     rows or 64, next to a 3 ms forward: split per row, 64-row steps would make a 4-row step look 2 ms cheaper than
@@ -144,11 +153,9 @@ def test_selector_learns_a_step_overhead_that_does_not_grow_with_the_rows():
     for tokens in (1, 4, 8, 16, 20, 32, 64, 128, 320):
         sel.record_forward(tokens, 0.003)
     arm = Arm("history", 4)
-    for _ in range(40):  # 4 sequences decoding plainly or verifying 4 drafted tokens (1 accepted); 64 plainly
-        sel.record(OFF, 4, 4, 0.003, 0.005, 4, 0, 0.0)
-        sel.record(arm, 4, 20, 0.003, 0.005, 8, 16, 0.0)
-        sel.record(OFF, 64, 64, 0.003, 0.005, 64, 0, 0.0)
-        sel.record_shadow("ngram", 0, 4)
+    # 4 sequences decoding plainly or verifying 4 drafted tokens (1 accepted); 64 plainly
+    _steps(sel, 40, [(OFF, 4, 4, 0.003, 0.005, 4, 0, 0.0), (arm, 4, 20, 0.003, 0.005, 8, 16, 0.0),
+                     (OFF, 64, 64, 0.003, 0.005, 64, 0, 0.0)])
     assert sel.plain_step_s(4) == pytest.approx(0.005, rel=0.05)
     assert sel.plain_step_s(64) == pytest.approx(0.005, rel=0.05)
     assert sel.predict(arm, 4) == pytest.approx(8 / 0.005, rel=0.05)
@@ -162,12 +169,8 @@ def test_selector_predicts_each_batch_size_from_its_own_steps():
     own fit gets both right."""
     sel = Selector(SpecConfig(mode="auto", budgets=(4, 8), epsilon=0.0))
     small, big = Arm("history", 8), Arm("history", 4)
-    for _ in range(30):
-        sel.record(OFF, 2, 2, 0.024, 0.025, 2, 0, 0.0)
-        sel.record(small, 2, 18, 0.026, 0.027, 8, 16, 0.0)
-        sel.record(OFF, 64, 64, 0.140, 0.145, 64, 0, 0.0)
-        sel.record(big, 64, 320, 0.340, 0.350, 96, 256, 0.0)
-        sel.record_shadow("ngram", 0, 4)
+    _steps(sel, 30, [(OFF, 2, 2, 0.024, 0.025, 2, 0, 0.0), (small, 2, 18, 0.026, 0.027, 8, 16, 0.0),
+                     (OFF, 64, 64, 0.140, 0.145, 64, 0, 0.0), (big, 64, 320, 0.340, 0.350, 96, 256, 0.0)])
     assert sel.plain_step_s(2) == pytest.approx(0.025, rel=0.05)
     assert sel.plain_step_s(64) == pytest.approx(0.145, rel=0.05)
     assert sel.predict(small, 2) == pytest.approx(8 / 0.027, rel=0.05)
