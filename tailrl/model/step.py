@@ -75,7 +75,8 @@ def _split(plan: tuple[int, list[int]], q_lens: list[int], max_q: int, dev) -> A
     for b, q in enumerate(q_lens):
         base = B * q0 + rank[b] * max_q if b in rank else b * q0
         src.extend(range(base, base + q))
-    return AttnSplit(q0, torch.tensor(over, dtype=torch.long, device=dev), torch.tensor(src, dtype=torch.long, device=dev))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    return AttnSplit(q0, as_long(over), as_long(src))
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:

@@ -45,10 +45,10 @@ def das_budgets(base: int, remaining: list[int | None], cap: int, share: bool = 
     """base: the arm's budget; remaining: predicted tokens left per request (None: no prediction).
 
     share: the long requests' deeper trees come out of the rows the batch was going to verify anyway (the rows
-    saved on requests about to end), or at most a quarter of the batch (or one request) gets them: where every request is long (a
-    full batch at the start of a rollout), doubling them all is a bigger budget the selector did not choose, paid
-    at the batch sizes where a verify row costs most (a step of 64 sequences with 8 draft rows each costs 3.2 plain
-    steps on a CPU). share=False: every long request gets 2 * base (the first version)."""
+    saved on requests about to end), unless they are a quarter of the batch or fewer (or one request). Where every
+    request is long (a full batch at the start of a rollout), doubling them all is a bigger budget the selector did
+    not choose, paid at the batch sizes where a verify row costs most (a step of 64 sequences with 8 draft rows each
+    costs 3.2 plain steps on a CPU). share=False: every long request gets 2 * base (the first version)."""
     out, long = [], []
     for i, r in enumerate(remaining):
         if r is None:

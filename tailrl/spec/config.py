@@ -19,7 +19,8 @@ class SpecConfig:
     # this CPU it won where the policy repeats itself and lost where it does not (benchmarks/RESULTS.md)
     allocate: bool = False
     # DAS: requests predicted to run longest get deeper trees; share = out of the rows the batch verifies anyway
-    # (or for at most a quarter of it, or one request), extend = every long request gets twice the arm's budget (spec/budgets.py)
+    # (or for at most a quarter of it, or one request), extend = every long request gets twice the arm's budget
+    # (spec/budgets.py)
     das: str = "share"
     min_match: int = 2  # history: shortest suffix match worth drafting from
     match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset

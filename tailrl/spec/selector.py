@@ -1,10 +1,11 @@
 """Per-batch choice of speculation strategy: off, or a drafter with a draft budget.
 
 Expected throughput of an arm at batch size B (RLHFSpec-style cost model):
-    B * (1 + accepted per sequence-step) / (T_forward(R) + R * overhead + B * draft cost),  R = B * (1 + drafted)
-with T_forward measured online over every forward the engine runs (time against tokens in the pass), the
-per-row overhead of a step outside the forward (sampling over the vocabulary, acceptance, KV compaction; measured
-apart for plain and speculative steps: a verify row costs more) and acceptance and draft size tracked per arm.
+    B * (1 + accepted per sequence-step) / (T_step(B, R) + B * draft cost),  R = B * (1 + drafted)
+with T_step fitted per batch-size bucket from that bucket's own steps (spec/step_cost.py: c * B + r * draft rows +
+v * [verifies]; what a row costs against a sequence changes with the batch), and acceptance and draft size tracked
+per arm. Before a bucket's first step, T_forward measured over every forward (time against tokens in the pass)
+plus a step's overhead outside it (sampling, acceptance, KV compaction; plain and speculative apart) stand in.
 On top, a bucketed epsilon-greedy bandit (after TLT): per batch-size bucket and arm, the prediction is scaled by
 a correction factor, an EMA of measured over predicted tokens / s, and with probability epsilon a random arm
 among those within 15% of the best is tried, which also keeps the cost model's table filled."""
