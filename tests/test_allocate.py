@@ -125,3 +125,20 @@ def test_an_overpriced_row_is_forgotten_when_no_rows_are_verified():
         cost.end_rollout()
     per_seq, per_row, _ = cost.coefficients(48)
     assert abs(per_seq - 0.002) < 1e-4 and per_row < 0.6 * per_seq
+
+
+def test_step_cost_prices_nothing_below_zero_and_keeps_a_dropped_term_dropped():
+    """Verify steps measured faster than plain ones (noise, a pause in a plain step) would fit negative prices for a
+    row and for a verify step. Each is refitted at 0 in turn, and one dropped stays dropped: the sequences' price then
+    explains every step. The answer is cached per bucket and renewed by the bucket's next step."""
+    cost = StepCost()
+    for _ in range(20):
+        cost.record(4, 4, 0.010)
+        cost.record(4, 20, 0.009)
+        cost.record(4, 36, 0.006)
+    per_seq, per_row, per_verify = cost.coefficients(4)
+    assert per_row == 0.0 and per_verify == 0.0
+    assert abs(4 * per_seq - 0.025 / 3) < 0.0002  # the mean of the three kinds of step (0.0096 with v refitted)
+    assert cost.coefficients(3) == (per_seq, per_row, per_verify)  # the same bucket, solved once
+    cost.record(4, 4, 0.040)
+    assert cost.coefficients(4)[0] > per_seq  # a new step in the bucket is seen

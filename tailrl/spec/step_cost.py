@@ -29,6 +29,7 @@ class StepCost:
     def __init__(self, decay: float = 0.98, prior_steps: float = 2.0):
         self.decay, self.prior_steps = decay, prior_steps
         self.fits: dict[int, list] = {}  # bucket -> [xx (3x3), xy (3), steps (decayed count)]
+        self._solved: dict[int, tuple[float, float, float] | None] = {}  # bucket -> coefficients, until it changes
 
     def record(self, B: int, rows: int, seconds: float) -> None:
         x = np.array([float(B), float(rows - B), float(rows > B)])
@@ -37,6 +38,7 @@ class StepCost:
         fit[0] = d * fit[0] + np.outer(x, x)
         fit[1] = d * fit[1] + seconds * x
         fit[2] = d * fit[2] + 1.0
+        self._solved.pop(batch_bucket(B), None)
 
     def end_rollout(self) -> None:
         """What was measured counts half against the prior from here on (like the acceptance table): a price learned
@@ -45,11 +47,17 @@ class StepCost:
             fit[0] *= 0.5
             fit[1] *= 0.5
             fit[2] *= 0.5
+        self._solved.clear()
 
     def coefficients(self, B: int) -> tuple[float, float, float] | None:
         """(seconds per sequence, per draft row, per verify step) at this batch size; None before the bucket's
-        first step."""
-        fit = self.fits.get(batch_bucket(B))
+        first step. Solved once per bucket between steps of it (the selector asks for every arm, every step)."""
+        bucket = batch_bucket(B)
+        if bucket not in self._solved:
+            self._solved[bucket] = self._solve(self.fits.get(bucket))
+        return self._solved[bucket]
+
+    def _solve(self, fit: list | None) -> tuple[float, float, float] | None:
         if fit is None or fit[0][0, 0] <= 0:
             return None
         xx, xy, steps = fit[0].copy(), fit[1].copy(), fit[2]
@@ -59,11 +67,13 @@ class StepCost:
         xx[1, 1] += lam
         xy[1] += lam * ROW_PRIOR * per_seq
         xx[2, 2] += self.prior_steps
-        w = np.linalg.solve(xx, xy)
-        for j in (2, 1):  # a negative price is refitted at 0 (clamping it afterwards would leave the others wrong)
-            if w[j] < 0:
-                keep = [i for i in range(3) if i != j and (i == 0 or w[i] >= 0)]
-                w = np.zeros(3)
-                w[keep] = np.linalg.solve(xx[np.ix_(keep, keep)], xy[keep])
+        keep = [0, 1, 2]
+        while True:  # a negative price is refitted at 0 (clamping it afterwards would leave the others wrong)
+            w = np.zeros(3)
+            w[keep] = np.linalg.solve(xx[np.ix_(keep, keep)], xy[keep])
+            negative = [j for j in keep[1:] if w[j] < 0]
+            if not negative:
+                break
+            keep.remove(negative[-1])
         c, r, v = (float(x) for x in w)
         return (c, max(r, 0.0), max(v, 0.0)) if c > 0 else None
