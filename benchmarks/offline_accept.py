@@ -12,6 +12,10 @@ with chains), `+ngram` (the sequence's own n-grams where history has no match: F
 over the other prompts' responses where it matches longer), `best of w` (the best of w chains, one per distinct
 next token: what verifying w paths side by side would get).
 
+Each cell also gives the draft rows a verify spends and what that buys where a draft row costs --row-price of a
+sequence's plain step (0.35 at 64 sequences in bf16 on the 2-core CPU, benchmarks/verify_cost.py; near 0 on a GPU at
+these batch sizes): tokens / (1 + price * rows), the rollout speedup the strategy can give at that batch size.
+
     .venv/bin/python benchmarks/offline_accept.py RUN_DIR [--target -1] [--ks 4 8]
 """
 
@@ -76,8 +80,9 @@ def own_ngram(prompt: list[int], out: list[int], k: int) -> list[int]:
     return tree.tokens if tree else []
 
 
-def replay(prompts: list[dict], target: int, k: int, width: int, ngram: bool, glob: bool, min_len: int) -> tuple[float, int]:
-    steps = tokens = 0
+def replay(prompts: list[dict], target: int, k: int, width: int, ngram: bool, glob: bool, min_len: int) -> tuple[float, float, int]:
+    """Tokens per verify, draft rows per verify, verify steps."""
+    steps = tokens = rows = 0
     for i, p in enumerate(prompts):
         epochs = p["epochs"]
         tail = p["prompt"][-PROMPT_TAIL:]
@@ -98,6 +103,7 @@ def replay(prompts: list[dict], target: int, k: int, width: int, ngram: bool, gl
                 if ngram and not drafts:
                     drafts = [own_ngram(p["prompt"], resp[:pos], k)]
                 best = 0
+                rows += sum(len(d) for d in drafts)
                 for d in drafts:
                     a = 0
                     while a < len(d) and pos + a < len(resp) and d[a] == resp[pos + a]:
@@ -106,7 +112,7 @@ def replay(prompts: list[dict], target: int, k: int, width: int, ngram: bool, gl
                 pos += best + 1
                 steps += 1
                 tokens += best + 1
-    return tokens / max(steps, 1), steps
+    return tokens / max(steps, 1), rows / max(steps, 1), steps
 
 
 def main():
@@ -115,6 +121,8 @@ def main():
     ap.add_argument("--target", type=int, default=-1, help="the epoch drafted (index into the kept epochs)")
     ap.add_argument("--ks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--min-len", type=int, default=0, help="only responses of at least this many tokens")
+    ap.add_argument("--row-price", type=float, default=0.35,
+                    help="a draft row's cost as a fraction of a sequence's plain step (0.35: bf16, 64 sequences, this CPU)")
     args = ap.parse_args()
     ckpt = args.run
     if (ckpt / "checkpoints").is_dir():
@@ -124,7 +132,8 @@ def main():
     if not prompts:
         raise SystemExit(f"{ckpt}: no training prompt with two kept epochs in its history index")
     print(f"{ckpt}: {len(prompts)} training prompts, epochs kept {len(prompts[0]['epochs'])}, drafting epoch "
-          f"{args.target} from the ones before it; tokens per verify (verify steps)\n")
+          f"{args.target} from the ones before it; per cell: tokens per verify / draft rows per verify / the speedup "
+          f"over plain decoding if a verify costs 1 + {args.row_price} * rows plain steps (verify steps)\n")
     variants = {"history": (1, False, False), "history+ngram": (1, True, False), "history+global": (1, False, True),
                 "history+ngram+global": (1, True, True), "best of 2 chains": (2, False, False),
                 "best of 4 chains": (4, False, False)}
@@ -132,7 +141,8 @@ def main():
     print("|---|" + "---|" * len(args.ks))
     for name, (w, ng, gl) in variants.items():
         cells = [replay(prompts, args.target, k, w, ng, gl, args.min_len) for k in args.ks]
-        print(f"| {name} | " + " | ".join(f"{a:.2f} ({n})" for a, n in cells) + " |", flush=True)
+        print(f"| {name} | " + " | ".join(f"{a:.2f} / {r:.2f} / {a / (1 + args.row_price * r):.2f}x ({n})"
+                                         for a, r, n in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
