@@ -152,10 +152,12 @@ class FakeEngine:
         return StepOut(finished, StepRecord("decode", batch=batch, emitted=batch))
 
     def export(self, ids) -> list[FakeState]:
-        ids = set(ids)
-        out = [s.state for s in self.scheduler.running + self.scheduler.waiting if s.seq_id in ids]
-        self.scheduler.running = [s for s in self.scheduler.running if s.seq_id not in ids]
-        self.scheduler.waiting = [s for s in self.scheduler.waiting if s.seq_id not in ids]
+        """As Engine.export: the states in the order of ids."""
+        by_id = {s.seq_id: s.state for s in self.scheduler.running + self.scheduler.waiting}
+        out = [by_id[i] for i in ids]
+        drop = set(ids)
+        self.scheduler.running = [s for s in self.scheduler.running if s.seq_id not in drop]
+        self.scheduler.waiting = [s for s in self.scheduler.waiting if s.seq_id not in drop]
         return out
 
     def import_(self, states) -> list[int]:

@@ -61,6 +61,26 @@ def test_a_moved_sequence_finishes_with_the_tokens_it_would_have_produced(tiny, 
         assert moved[k][1] == pytest.approx(ref[k][1], abs=1e-4), k
 
 
+def test_export_returns_the_states_in_the_order_asked_and_refuses_unknown_ids(tiny):
+    """The cluster driver pairs exported states with its own (prompt, sample) keys by position: states in the
+    engine's slot order (which finishing sequences reshuffle) labelled another prompt's samples as these."""
+    eng = engine(tiny, "off")
+    ids = eng.add_requests(PROMPTS, SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=7))
+    key_of = {i: (k // 3, k % 3) for k, i in enumerate(ids)}  # add_requests: ids in (prompt, sample) order
+    for _ in range(4):
+        eng.step()
+    with pytest.raises(ValueError, match="cannot export"):
+        eng.export([ids[0], 10_000])
+    live = eng.unfinished_ids()
+    assert len(live) == len(ids)  # the failed export took nothing out
+    want = sorted(live, key=lambda i: (-key_of[i][1], key_of[i][0]))[:5]  # an order the scheduler does not keep
+    assert want != [i for i in live if i in want]
+    states = eng.export(want)
+    assert [(st.prompt_index, st.sample_index) for st in states] == [key_of[i] for i in want]
+    assert [st.prompt_ids for st in states] == [PROMPTS[key_of[i][0]] for i in want]
+    assert sorted(eng.unfinished_ids()) == sorted(set(live) - set(want))
+
+
 def test_merged_stats_of_two_halves_equal_the_stats_of_the_whole(tiny):
     eng = engine(tiny, "ngram")
     eng.add_requests(PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))

@@ -130,8 +130,14 @@ class Engine:
 
     @torch.inference_mode()
     def export(self, ids: list[int]) -> list[SeqState]:
-        """Takes running or waiting sequences out of this engine, as states another engine can import_."""
-        return [export_state(s) for s in self.scheduler.remove(set(ids))]
+        """Takes running or waiting sequences out of this engine, as states another engine can import_, in the
+        order of `ids` (callers pair them with what they know of each id). An id that is neither running nor
+        waiting raises before anything is taken out."""
+        missing = set(ids) - set(self.unfinished_ids())
+        if missing or len(set(ids)) != len(ids):
+            raise ValueError(f"cannot export sequence ids {sorted(missing) or ids}: not running or waiting here, or repeated")
+        by_id = {s.seq_id: s for s in self.scheduler.remove(set(ids))}
+        return [export_state(by_id[i]) for i in ids]
 
     def import_(self, states: list[SeqState]) -> list[int]:
         """Queues exported sequences; each re-prefills its prompt and tokens so far, then goes on exactly as it
