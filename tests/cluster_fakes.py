@@ -89,7 +89,8 @@ class FakeScheduler:
 
 
 class FakeEngine:
-    def __init__(self, max_num_seqs: int = 4, hang_at: int = -1):
+    def __init__(self, max_num_seqs: int = 4, hang_at: int = -1, scheduler_order: bool = False):
+        self.scheduler_order = scheduler_order
         self.model = torch.nn.Linear(2, 2, bias=False)
         torch.nn.init.zeros_(self.model.weight)
         self.model.requires_grad_(False)
@@ -147,14 +148,18 @@ class FakeEngine:
                 finished.append(FakeCompletion(s.seq_id, st.prompt_index, st.sample_index, st.prompt_ids,
                                                list(st.output_ids), "", list(st.logprobs), reason))
         done = {c.seq_id for c in finished}
-        sch.running = [s for s in sch.running if s.seq_id not in done]
+        for i in sorted((i for i, s in enumerate(sch.running) if s.seq_id in done), reverse=True):
+            sch.running[i] = sch.running[-1]  # the real engine's slot compaction: the last sequence fills the hole
+            sch.running.pop()
         batch = len(sch.running) + len(done)
         return StepOut(finished, StepRecord("decode", batch=batch, emitted=batch))
 
     def export(self, ids) -> list[FakeState]:
-        """As Engine.export: the states in the order of ids."""
+        """As Engine.export: the states in the order of ids (scheduler_order: in the order they run, the bug the
+        driver's label check catches)."""
         by_id = {s.seq_id: s.state for s in self.scheduler.running + self.scheduler.waiting}
-        out = [by_id[i] for i in ids]
+        out = [by_id[i] for i in (ids if not self.scheduler_order else [s.seq_id for s in self.scheduler.running
+                                                                        + self.scheduler.waiting if s.seq_id in ids])]
         drop = set(ids)
         self.scheduler.running = [s for s in self.scheduler.running if s.seq_id not in drop]
         self.scheduler.waiting = [s for s in self.scheduler.waiting if s.seq_id not in drop]
@@ -169,10 +174,11 @@ class FakeEngine:
 
 
 def build_fake(spec, index: int) -> WorkerParts:
-    """WorkerSpec.factory for the fake engine; options: max_num_seqs, hang (worker index), hang_at (step)."""
+    """WorkerSpec.factory for the fake engine; options: max_num_seqs, hang (worker index), hang_at (step),
+    scheduler_order (export's old, wrong order)."""
     o = spec.options
     hang_at = o.get("hang_at", -1) if o.get("hang") == index else -1
-    return WorkerParts(FakeEngine(o.get("max_num_seqs", 4), hang_at))
+    return WorkerParts(FakeEngine(o.get("max_num_seqs", 4), hang_at, o.get("scheduler_order", False)))
 
 
 def fake_rollout(prompts, params, max_num_seqs: int = 4) -> dict:

@@ -50,6 +50,33 @@ def test_migrated_sequences_keep_their_tokens_and_count_reprefill():
     assert cr.pool.workers[1].engine.imported_tokens > 0
 
 
+@pytest.mark.parametrize("scheduler_order", [False, True])
+def test_sequences_moved_in_any_order_keep_their_labels(scheduler_order):
+    """The driver pairs a worker's exported states with its own (prompt, sample) keys by position. Engine.export once
+    returned them in slot order, not in the order asked: migrated samples came back as other prompts' (a rare
+    failure of the Ray test). Moved in an order unlike the worker's, the rollout stays exact; a worker that answers
+    in its own order (scheduler_order) is caught by the driver's label check, which stops the rollout."""
+    ref = fake_rollout(PROMPTS[:3], PARAMS[:3])
+    cr = ClusterRollout(spec(max_num_seqs=12, scheduler_order=scheduler_order), 2,
+                        ClusterConfig(placement="static", round_steps=2, migrate=False), CPU, local=True)
+    cr.start(PROMPTS[:3], PARAMS[:3])
+    cr.step()
+    donor = max(cr.held, key=lambda w: len(cr.held[w]))
+    running = [s.seq_id for s in cr.pool.workers[donor].engine.scheduler.running]
+    ids = sorted(running, key=lambda i: cr.held[donor][i][::-1])[:5]  # by sample, then prompt: not the run order
+    assert len(ids) == 5 and ids != [i for i in running if i in ids]
+    if scheduler_order:
+        with pytest.raises(RuntimeError, match="returned a sequence of prompt"):
+            cr._move(donor, 1 - donor, ids)
+        return
+    cr._move(donor, 1 - donor, ids)
+    while cr.step():
+        pass
+    comps = cr.finish()
+    assert cr.metrics["cluster/migrated"] == 5
+    assert as_tuples(comps) == ref
+
+
 def test_history_prediction_improves_with_epochs():
     cr = ClusterRollout(spec(), 2, ClusterConfig(round_steps=4), CPU, local=True, prior_length=10)
     cr.generate(PROMPTS, PARAMS)

@@ -222,6 +222,7 @@ class ClusterRollout:
         grown = []
         for c in out.finished:
             key = self.held[w].pop(c.seq_id)
+            self._check_label(w, key, c.prompt_index, c.prompt_token_ids)
             self.done[key] = dataclasses.replace(c, prompt_index=key[0], sample_index=key[1])
             self.samples[key].tokens = list(c.token_ids)
             self.last_worker[prompt_key(self.prompts[key[0]])] = w
@@ -233,6 +234,17 @@ class ClusterRollout:
                 grown.append(key)
         if self.cfg.sibling_drafting and grown:
             self._forward(w, grown, holders)
+
+    def _check_label(self, w: int, key: tuple[int, int], prompt_index: int, prompt_ids: list[int],
+                     seed: int | None = None) -> None:
+        """A worker's sequence must be the one the driver holds under that id (its prompt, and its seed where the
+        state carries it): a sample scored against another prompt's answer, or two samples swapped, is corrupt
+        training data, so a mismatch stops the rollout (a bug in the driver, not a worker fault)."""
+        known = self.prompt_ids.get(key[0])
+        if (prompt_index != key[0] or (prompt_ids and known is not None and list(prompt_ids) != known)
+                or (seed is not None and seed != self.params[key[0]].seed + key[1])):
+            raise RuntimeError(f"worker {w} returned a sequence of prompt {prompt_index} for sample {key} of prompt "
+                               f"{key[0]}: the driver's bookkeeping is wrong; stopping rather than mislabel samples")
 
     def _forward(self, w: int, keys: list[tuple[int, int]], holders: dict[int, set[int]]) -> None:
         """Seer's group drafting across workers: a sample's new tokens go to every other worker holding a
@@ -294,6 +306,8 @@ class ClusterRollout:
             self._fail(donor, str(e))
             return
         keys = [self.held[donor].pop(i) for i in ids]
+        for key, st in zip(keys, states):
+            self._check_label(donor, key, st.prompt_index, st.prompt_ids, st.seed)
         try:
             new_ids = self.pool.call(recv, "import_", states, timeout=self.cfg.step_timeout_s)
         except WorkerFailed as e:

@@ -135,7 +135,8 @@ class Engine:
         waiting raises before anything is taken out."""
         missing = set(ids) - set(self.unfinished_ids())
         if missing or len(set(ids)) != len(ids):
-            raise ValueError(f"cannot export sequence ids {sorted(missing) or ids}: not running or waiting here, or repeated")
+            raise ValueError(f"cannot export sequence ids {sorted(missing) or ids}: not running or waiting here, "
+                             "or repeated")
         by_id = {s.seq_id: s for s in self.scheduler.remove(set(ids))}
         return [export_state(by_id[i]) for i in ids]
 
