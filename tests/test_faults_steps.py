@@ -50,3 +50,27 @@ def test_a_prompt_rejected_mid_step_leaves_the_step_with_a_metric(tiny_chat, tmp
 def test_max_tokens_beyond_the_model_context_is_an_error(tiny_chat, task_file, tmp_path):
     with pytest.raises(ValueError, match=r"rollout\.max_tokens=600 does not fit the context .* \(512 tokens"):
         Trainer(small_cfg(tiny_chat, task_file, tmp_path, "rollout.max_tokens=600"))
+
+
+def test_a_mislabelled_rollout_stops_the_step_before_it_is_scored():
+    """A completion must sit at its (prompt, sample) place and carry that prompt's tokens (the cluster driver once
+    returned migrated samples under other prompts' indices): else the step stops instead of scoring it against
+    another prompt's answer. A rejected prompt's completions (no tokens) pass."""
+    from types import SimpleNamespace as NS
+
+    from tailrl.rl.guards import check_rollout_labels
+
+    examples = [NS(ids=[5, 6, 7]), NS(ids=[8, 9])]
+    comps = [NS(prompt_index=i, sample_index=j, prompt_token_ids=list(examples[i].ids), finish_reason="stop")
+             for i in range(2) for j in range(2)]
+    check_rollout_labels(examples, comps, 2)
+    check_rollout_labels(examples, comps[:2] + [NS(prompt_index=1, sample_index=j, prompt_token_ids=[],
+                                                   finish_reason="error") for j in range(2)], 2)
+    swapped = [comps[0], comps[2], comps[1], comps[3]]  # two samples under each other's place
+    with pytest.raises(RuntimeError, match="rollout completion 1 is labelled"):
+        check_rollout_labels(examples, swapped, 2)
+    relabelled = comps[:3] + [NS(prompt_index=1, sample_index=1, prompt_token_ids=[5, 6, 7], finish_reason="stop")]
+    with pytest.raises(RuntimeError, match="should answer .prompt 1, sample 1. with that prompt's tokens"):
+        check_rollout_labels(examples, relabelled, 2)
+    with pytest.raises(RuntimeError, match="3 completions for 2 prompts x 2"):
+        check_rollout_labels(examples, comps[:3], 2)

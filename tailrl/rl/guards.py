@@ -44,3 +44,18 @@ class StepGuard:
             log.warning("no learning signal for %d steps: every group's samples got the same reward "
                         "(reward/frac_zero_std = 1); the task may be too easy or too hard, or a reward constant",
                         self.collapse_steps)
+
+
+def check_rollout_labels(examples: list, comps: list, n: int) -> None:
+    """The rollout's completions come in (prompt, sample) order, n per prompt, each with the prompt it answered: a
+    completion under another prompt's index would be scored against that prompt's answer. A mismatch is a bug in a
+    rollout path (the cluster driver mislabelled migrated samples once), so the run stops before training on it."""
+    if len(comps) != len(examples) * n:
+        raise RuntimeError(f"the rollout returned {len(comps)} completions for {len(examples)} prompts x {n} samples")
+    for k, c in enumerate(comps):
+        want = (k // n, k % n)
+        if (c.prompt_index, c.sample_index) != want or (
+                c.finish_reason != "error" and list(c.prompt_token_ids) != list(examples[want[0]].ids)):
+            raise RuntimeError(f"rollout completion {k} is labelled (prompt {c.prompt_index}, sample {c.sample_index}) "
+                               f"but should answer (prompt {want[0]}, sample {want[1]}) with that prompt's tokens: "
+                               "stopping rather than score it against the wrong answer")

@@ -28,7 +28,7 @@ from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
 from .data import Example, Loader, fit_prompts, load_datasets
 from .forward import make_batch
-from .guards import StepGuard
+from .guards import StepGuard, check_rollout_labels
 from .multi_worker import cluster_rollout, make_cluster
 from .precision import Precision, make_adamw, resolve_mode
 from .reward_runner import RewardRunner
@@ -203,6 +203,7 @@ class Trainer:
         t = time.perf_counter()
         all_comps = self.rollout(examples, self.step)
         timing["timing_s/gen"] = time.perf_counter() - t
+        check_rollout_labels(examples, all_comps, cfg.rollout.n)
         comps, rejected = self._accepted(all_comps, cfg.rollout.n)
         metrics = {"rollout/rejected": rejected}
         if comps:
