@@ -25,9 +25,9 @@ def trainer_for(run: Path, arm: str):
     from tailrl.rl.trainer import Trainer
 
     mode, *overrides = re.split(r",(?![^\[]*\])", arm)  # commas inside [..] belong to a list value
-    # the run's config.json is YAML too; its own folder, so resume() reads its checkpoints
+    # the run's config.json is YAML too; out_dir = the folder given (a copy of a run replays its own checkpoints)
     return Trainer(load_config(str(run / "config.json"), [f"rollout.spec.mode={mode}", *overrides, "trainer.resume=true",
-                                                          "trainer.overwrite=false"]))
+                                                          "trainer.overwrite=false", f"trainer.out_dir={run}"]))
 
 
 def timed_rollout(trainer) -> dict:
