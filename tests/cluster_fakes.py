@@ -157,10 +157,13 @@ class FakeEngine:
     def export(self, ids) -> list[FakeState]:
         """As Engine.export: the states in the order of ids (scheduler_order: in the order they run, the bug the
         driver's label check catches)."""
-        by_id = {s.seq_id: s.state for s in self.scheduler.running + self.scheduler.waiting}
-        out = [by_id[i] for i in (ids if not self.scheduler_order else [s.seq_id for s in self.scheduler.running
-                                                                        + self.scheduler.waiting if s.seq_id in ids])]
+        seqs = self.scheduler.running + self.scheduler.waiting
         drop = set(ids)
+        if self.scheduler_order:
+            out = [s.state for s in seqs if s.seq_id in drop]
+        else:
+            by_id = {s.seq_id: s.state for s in seqs}
+            out = [by_id[i] for i in ids]
         self.scheduler.running = [s for s in self.scheduler.running if s.seq_id not in drop]
         self.scheduler.waiting = [s for s in self.scheduler.waiting if s.seq_id not in drop]
         return out

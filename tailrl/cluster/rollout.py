@@ -243,8 +243,9 @@ class ClusterRollout:
         known = self.prompt_ids.get(key[0])
         if (prompt_index != key[0] or (prompt_ids and known is not None and list(prompt_ids) != known)
                 or (seed is not None and seed != self.params[key[0]].seed + key[1])):
-            raise RuntimeError(f"worker {w} returned a sequence of prompt {prompt_index} for sample {key} of prompt "
-                               f"{key[0]}: the driver's bookkeeping is wrong; stopping rather than mislabel samples")
+            raise RuntimeError(f"worker {w} returned a sequence of prompt {prompt_index}"
+                               f"{'' if seed is None else f' (seed {seed})'} for sample {key}: the driver's bookkeeping "
+                               "is wrong; stopping rather than mislabel samples")
 
     def _forward(self, w: int, keys: list[tuple[int, int]], holders: dict[int, set[int]]) -> None:
         """Seer's group drafting across workers: a sample's new tokens go to every other worker holding a
