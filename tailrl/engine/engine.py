@@ -17,8 +17,8 @@ import torch
 from ..model.llama import CausalLM
 from ..spec.speculator import Speculator
 from .config import EngineConfig
-from .invariant import resolve_invariant
 from .passes import decode_pass, prefill_pass
+from .probe import resolve_invariant
 from .requests import SeqState, check_prompt, encode, export_state, failed_group, import_state, make_group
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -48,9 +48,9 @@ class Engine:
         self.speculator = speculator if speculator is not None or cfg.spec.mode == "off" else Speculator(cfg.spec)
         capture = cfg.capture_hidden or (self.speculator is not None and self.speculator.needs_hidden)
         budget = int(cfg.kv_cache_gb * 2**30) if cfg.kv_cache_gb else None
+        invariant, self.invariance = resolve_invariant(cfg.batch_invariant, model)  # the probe's verdict, or None
         self.runner = ModelRunner(model, budget, cfg.max_num_seqs, self.max_model_len, capture, cfg.cuda_graphs,
-                                  int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets,
-                                  resolve_invariant(cfg.batch_invariant, model.device, model.dtype))
+                                  int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens)

@@ -23,7 +23,7 @@ from ..model.step import make_step
 from ..spec.tree import DraftTree
 from .buckets import Bucket, StaticBatch, forward_padded, pick_bucket
 from .graphs import GraphPool
-from .invariant import MIN_QUERY_ROWS
+from ..model.chunked import CHUNK
 from .kv_cache import KVCache
 
 ALIGN = 16  # cache capacity is rounded up to this many positions
@@ -57,7 +57,6 @@ class ModelRunner:
         self.graphs = GraphPool(self.device, graph_budget_bytes) if cuda_graphs and on_cuda else None
         self.pad = pad
         self.invariant = invariant
-        self.split_attention = True  # invariant passes: attention in two calls by query rows where it pays (AttnSplit)
         self.batches: dict[tuple[int, int], StaticBatch] = {}  # (seqs, tokens) -> its static buffers
 
     # ---- the cache layout ---------------------------------------------------------------------------------
@@ -73,15 +72,17 @@ class ModelRunner:
 
     def _capacity(self, reserved_len: int) -> int:
         """reserved_len rounded up to ALIGN, but never past the context or the budget (rounding must not make a
-        sequence that fits the budget fail to fit)."""
-        reserved_len += self.invariant  # room for a lone sequence's second row at its last token
+        sequence that fits the budget fail to fit); for invariant passes, which read whole key chunks
+        (model/chunked.py), always to a whole number of chunks."""
+        if self.invariant:
+            return -(-reserved_len // CHUNK) * CHUNK
         cap = min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
         return max(min(cap, self.kv.budget_tokens), reserved_len)
 
     def reserve(self, reserved_len: int) -> None:
         """Lays the cache out for sequences of up to reserved_len tokens; only while no sequence runs. A layout
         that already holds them is kept, so a rollout of uniform requests allocates once."""
-        if reserved_len + self.invariant <= self.kv.capacity:
+        if reserved_len <= self.kv.capacity:
             return
         cap = self._capacity(reserved_len)
         self.kv.layout(self.kv.slots_for(cap, self.max_num_seqs), cap)
@@ -113,39 +114,26 @@ class ModelRunner:
 
     def prefill(self, token_lists: list[list[int]], slots: list[int]):
         """Writes each list's K/V into its slot from position 0. Returns (logits at each list's last token [N, V],
-        hidden [sum(lens), H] or None). Batch-invariant runs prefill each list alone, so that its K/V and logits do
-        not depend on which other prompts were admitted with it (another worker's, another step's)."""
-        if self.invariant and len(token_lists) > 1:
-            outs, seconds = [], 0.0
-            for toks, slot in zip(token_lists, slots):
-                outs.append(self.prefill([toks], [slot]))
-                seconds += self.last_forward_s
-            self.last_forward_s = seconds
-            hidden = torch.cat([o[1] for o in outs]) if self.capture else None
-            return torch.cat([o[0] for o in outs]), hidden
+        hidden [sum(lens), H] or None). A batch-invariant pass gives each list's K/V and logits the bits it would
+        have alone, or in decode passes (engine/invariant.py), so prompts admitted together share one pass."""
         lens = [len(t) for t in token_lists]
-        self.kv.ensure(max(slots) + 1, max(lens) + 1)
-        step = make_step([0] * len(lens), lens, slots, self.device)
+        self.kv.ensure(max(slots) + 1, self._keys_read(max(lens) + 1))
+        step = make_step([0] * len(lens), lens, slots, self.device, invariant=self.invariant)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         return self._forward([t for toks in token_lists for t in toks], step, logits_idx=last)
 
     def decode(self, roots: list[int], cache_lens: list[int], trees: list[DraftTree | None] | None):
         """One pass over running slots 0..B-1: each sequence's last emitted token (the root) and its draft tree's
         nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None), the same whether the
-        pass ran padded (graph or eager) or not. A batch-invariant runner reads all `capacity` keys and at least
-        MIN_QUERY_ROWS query rows per sequence, and gives a lone row a second one (engine/invariant.py)."""
+        pass ran padded (graph or eager) or not. A batch-invariant pass reads each sequence's own keys in fixed
+        chunks (engine/invariant.py)."""
         B = len(roots)
         self.last_capture_s = 0.0
         trees = trees if trees and any(trees) else None
         q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
-        fixed = {}
+        inv = dict(invariant=self.invariant)
         if self.invariant:
-            cap = self.kv.capacity
-            self.kv.ensure(B, cap)
-            fixed = dict(min_q=MIN_QUERY_ROWS, num_keys=cap, split=self.split_attention)
-            if B == 1 and trees is None and cache_lens[0] + 2 <= cap:  # its root again, one position on
-                logits, hidden = self._forward(roots * 2, make_step(cache_lens, [2], [0], self.device, **fixed))
-                return logits[:1], None if hidden is None else hidden[:1], q_lens, None
+            self.kv.ensure(B, self._keys_read(max(c + q for c, q in zip(cache_lens, q_lens))))
         else:
             max_k = max(c + q for c, q in zip(cache_lens, q_lens))
             bucket = self._bucket(B, max(q_lens), max_k)
@@ -155,13 +143,17 @@ class ModelRunner:
                     return out[0], out[1], q_lens, out[2]
             self.kv.ensure(B, max_k)
         if trees is None:
-            logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device, **fixed))
+            logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device, **inv))
             return logits, hidden, q_lens, None
-        ids, parents = _tree_rows(roots, trees, max(max(q_lens), fixed.get("min_q", 1)))
+        ids, parents = _tree_rows(roots, trees, max(q_lens))
         step = make_step(cache_lens, q_lens, list(range(B)), self.device,
-                         tree_parents=torch.tensor(parents, device=self.device), **fixed)
+                         tree_parents=torch.tensor(parents, device=self.device), **inv)
         logits, hidden = self._forward(ids, step)
         return logits, hidden, q_lens, step.depths
+
+    def _keys_read(self, length: int) -> int:
+        """Cache positions a pass reaching `length` keys reads: whole chunks for an invariant pass."""
+        return min(-(-length // CHUNK) * CHUNK, self.kv.capacity) if self.invariant else length
 
     def _bucket(self, B: int, max_q: int, max_k: int) -> Bucket | None:
         if self.graphs is None and not self.pad:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .chunked import chunked_attention, pad_rows
 from .config import ModelConfig
 from .step import StepMeta
 
@@ -22,8 +23,8 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, 
     """Grouped-query attention over the cache: q [B, heads, Q, D], keys/vals [B, kv_heads, K, D], mask [B, 1, Q, K].
     The query heads that share a K/V head are stacked into one [group * Q] block of rows, so the CPU's fused kernel
     runs kv_heads tiles of group * Q rows per sequence instead of heads tiles of Q rows: 1.8x faster at batch 64 with
-    4 query rows (benchmarks/RESULTS.md, session 9), and the same output bits, since each row's softmax and products do not
-    depend on the other rows of its tile once a tile has 4 or more (engine/invariant.py)."""
+    4 query rows (benchmarks/RESULTS.md, session 9). The invariant passes stack the heads the same way
+    (model/chunked.py)."""
     B, H, Q, D = q.shape
     group = H // keys.shape[1]
     o = F.scaled_dot_product_attention(q.reshape(B, keys.shape[1], group * Q, D), keys, vals,
@@ -121,10 +122,13 @@ class Attention(nn.Module):
     def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
         """Writes the new tokens' K/V at (token_slot, token_pos), then attends: a causal step (whole prompts from
         position 0) over the new tokens with the causal kernel, any other over the cache under step.mask."""
-        q, k, v = self._qkv(x, cos, sin)  # [T, heads, D]
+        q, k, v = self._qkv(x, cos, sin)  # [T, heads, D] (an invariant pass: padded to whole row tiles)
         k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [slots, n_kv, capacity, D]
-        k_cache[step.token_slot, :, step.token_pos] = k
-        v_cache[step.token_slot, :, step.token_pos] = v
+        T = step.token_pos.shape[0]
+        k_cache[step.token_slot, :, step.token_pos] = k[:T]
+        v_cache[step.token_slot, :, step.token_pos] = v[:T]
+        if step.chunks is not None:  # written before it is read: a row sees its own key (model/chunked.py)
+            return self.o_proj(pad_rows(chunked_attention(q[:T], k_cache, v_cache, step.chunks), x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
         else:
@@ -152,12 +156,6 @@ class Attention(nn.Module):
             keys, vals = self._pad(keys, step), self._pad(vals, step)
             o = F.scaled_dot_product_attention(self._pad(q, step), keys, vals, is_causal=True,
                                                enable_gqa=self.n_kv != self.n_heads)
-        elif step.split is not None:  # most sequences at q0 rows, the few deep drafts apart (model/step.py)
-            sp, qp = step.split, self._pad(q, step)
-            base = self._masked(qp[:, :, : sp.q0], keys, vals, step.mask[:, :, : sp.q0])
-            deep = self._masked(qp[sp.long], keys[sp.long], vals[sp.long], step.mask[sp.long])
-            width = self.n_heads * self.head_dim
-            return torch.cat([base.transpose(1, 2).reshape(-1, width), deep.transpose(1, 2).reshape(-1, width)])[sp.src]
         else:
             o = self._masked(self._pad(q, step), keys, vals, step.mask)
         o = o.transpose(1, 2).reshape(step.num_seqs * step.max_q, self.n_heads * self.head_dim)
@@ -285,11 +283,16 @@ class CausalLM(nn.Module):
     ):
         """input_ids [T] packed new tokens of step.num_seqs sequences. Writes their K/V into kv and returns
         (logits for the tokens in logits_idx, or all, [N, V]; {layer: hidden [T, H]})."""
+        T, tile = input_ids.shape[0], step.row_tile
+        positions = step.positions
+        if tile:  # an invariant pass: padding rows run through every product and write no K/V
+            input_ids, positions = pad_rows(input_ids, tile), pad_rows(positions, tile)
         x = self.model.embed_tokens(input_ids)
-        x, hidden = self._run_layers(x, step.positions, hidden_layers, step=step, kv=kv)
-        if logits_idx is not None:
-            x = x[logits_idx]
-        return self.lm_head(x), hidden
+        x, hidden = self._run_layers(x, positions, hidden_layers, step=step, kv=kv)
+        x = x[logits_idx] if logits_idx is not None else x[:T]
+        if not tile:
+            return self.lm_head(x), hidden
+        return self.lm_head(pad_rows(x, tile))[: x.shape[0]], {i: h[:T] for i, h in hidden.items()}
 
     def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:
         """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/packing.py builds it).

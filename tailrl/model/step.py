@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunked import ROW_TILE, ChunkPlan, plan_chunks
+
 
 @dataclass
 class StepMeta:
@@ -31,52 +33,12 @@ class StepMeta:
     mask: torch.Tensor | None  # [B, 1, max_q, max_k] bool, True = may attend; None when causal
     depths: torch.Tensor | None = None  # [T] depth of each new token in its tree (root 0), when trees were given
     causal: bool = False  # every sequence starts at cache position 0 with no tree: causal among the new tokens only
-    split: "AttnSplit | None" = None  # the attention in two calls, by query rows (see AttnSplit)
+    chunks: ChunkPlan | None = None  # batch-invariant attention over the sequences' own keys (model/chunked.py)
+    row_tile: int = 0  # > 0: the pass's matrix products run on a whole number of tiles of this many rows
 
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens)
-
-
-@dataclass
-class AttnSplit:
-    """A pass whose sequences add very different numbers of rows (most verify 1-4, a few a deep draft) pads every
-    sequence's queries to the most rows in the pass, and the attention's cost grows with batch x rows: at 64
-    sequences on a CPU, 17 query rows each cost 3.8x 4 rows a layer. So the attention runs twice: over all
-    sequences at q0 rows (their padded [B, q0] rows), and over the few sequences with more rows at all max_q of
-    theirs; `src` picks each packed token's output row from the two. A row's result does not depend on how many
-    query rows share its kernel call once there are 4 or more (engine/invariant.py), so the bits are the same."""
-
-    q0: int
-    long: torch.Tensor  # [n] the sequences with more than q0 rows
-    src: torch.Tensor  # [T] each packed token's row in cat(base [B * q0], long [n * max_q])
-
-
-def plan_split(q_lens: list[int], min_q: int, call_cost: int = 16) -> tuple[int, list[int]] | None:
-    """(q0, the sequences with more rows) minimising B * q0 + n * max_q + call_cost in query-row units, or None
-    where one call over max_q rows costs least."""
-    B, max_q = len(q_lens), max(max(q_lens), min_q)
-    best, plan = B * max_q, None
-    for q0 in sorted({max(q, min_q) for q in q_lens}):
-        if q0 >= max_q:
-            break
-        over = [b for b, q in enumerate(q_lens) if q > q0]
-        cost = B * q0 + len(over) * max_q + call_cost
-        if cost < best:
-            best, plan = cost, (q0, over)
-    return plan
-
-
-def _split(plan: tuple[int, list[int]], q_lens: list[int], max_q: int, dev) -> AttnSplit:
-    q0, over = plan
-    B = len(q_lens)
-    rank = {b: k for k, b in enumerate(over)}
-    src = []
-    for b, q in enumerate(q_lens):
-        base = B * q0 + rank[b] * max_q if b in rank else b * q0
-        src.extend(range(base, base + q))
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-    return AttnSplit(q0, as_long(over), as_long(src))
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -111,9 +73,7 @@ def make_step(
     tree_masks: list[torch.Tensor | None] | None = None,
     tree_parents: torch.Tensor | None = None,
     causal: bool = True,
-    min_q: int = 1,
-    num_keys: int | None = None,
-    split: bool = False,
+    invariant: bool = False,
 ) -> StepMeta:
     """Sequence b already holds cache_lens[b] tokens in cache slot slots[b] and adds q_lens[b] new tokens,
     written at cache indices cache_lens[b] .. cache_lens[b] + q_lens[b] - 1. Without a tree the new tokens are
@@ -121,18 +81,13 @@ def make_step(
     become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j).
     When every cache_len is 0 and there is no tree, the step is `causal` and carries no mask (causal=False
     builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu.py).
-    min_q pads every sequence's query rows to at least this many, and num_keys fixes how many cache positions the
-    attention reads (at least every cache_len + q_len): the batch-invariant decode (engine/invariant.py).
-    split: a pass with a mask may run its attention in two calls by query rows where that costs less (AttnSplit)."""
+    invariant: the batch-invariant pass (engine/invariant.py): attention over each sequence's own keys in fixed
+    chunks (model/chunked.py, no dense mask) and matrix products on whole row tiles; slots need not be contiguous."""
     dev = torch.device(device)
     B = len(q_lens)
     cl = torch.tensor(cache_lens, dtype=torch.long, device=dev)
     ql = torch.tensor(q_lens, dtype=torch.long, device=dev)
-    max_q, max_k = max(max(q_lens), min_q), max(c + q for c, q in zip(cache_lens, q_lens))
-    if num_keys is not None:
-        if num_keys < max_k:
-            raise ValueError(f"num_keys={num_keys} is less than the {max_k} key positions the pass reaches")
-        max_k = num_keys
+    max_q, max_k = max(q_lens), max(c + q for c, q in zip(cache_lens, q_lens))
     seq_of_token = torch.repeat_interleave(torch.arange(B, device=dev), ql)
     starts = torch.cumsum(ql, 0) - ql
     offset = torch.arange(seq_of_token.shape[0], device=dev) - starts[seq_of_token]
@@ -145,6 +100,17 @@ def make_step(
                 slot_range=(slots[0], slots[0] + B) if contiguous else None, q_lens=list(q_lens), max_q=max_q,
                 max_k=max_k, pad_idx=pad_idx)
     is_tree = tree_parents is not None or tree_masks is not None
+    if invariant:
+        if tree_masks is not None:
+            raise ValueError("an invariant pass takes trees as tree_parents")
+        anc = tree_ancestors(tree_parents.to(dev)) if tree_parents is not None else None
+        depths = None
+        if anc is not None:
+            depths = (anc.sum(-1) - 1).reshape(-1)
+            depths = depths if pad_idx is None else depths[pad_idx]
+            positions = cl[seq_of_token] + depths
+        return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=None, depths=depths,
+                        chunks=plan_chunks(cache_lens, q_lens, slots, anc, dev), row_tile=ROW_TILE, **meta)
     if causal and not is_tree and not any(cache_lens):
         return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=None, causal=True,
                         **meta)
@@ -169,9 +135,8 @@ def make_step(
                 q = q_lens[b]
                 mask[b, :q, cache_lens[b] : cache_lens[b] + q] = tm.to(device=dev, dtype=torch.bool)
     mask |= (i >= ql.view(B, 1, 1)) & (j == 0)  # padded query rows see one key: softmax stays finite
-    plan = plan_split(q_lens, min_q) if split else None
     return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=mask.unsqueeze(1),
-                    depths=depths, split=None if plan is None else _split(plan, q_lens, max_q, dev), **meta)
+                    depths=depths, **meta)
 
 
 def make_padded_step(cache_lens: torch.Tensor, q_lens: torch.Tensor, parents: torch.Tensor | None, num_keys: int,

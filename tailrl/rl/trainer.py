@@ -205,7 +205,7 @@ class Trainer:
         timing["timing_s/gen"] = time.perf_counter() - t
         check_rollout_labels(examples, all_comps, cfg.rollout.n)
         comps, rejected = self._accepted(all_comps, cfg.rollout.n)
-        metrics = {"rollout/rejected": rejected}
+        metrics = {"rollout/rejected": rejected, "rollout/batch_invariant": float(self.engine.runner.invariant)}
         if comps:
             metrics.update(self._learn(examples, comps, timing))
         else:

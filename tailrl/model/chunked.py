@@ -1,0 +1,202 @@
+"""Batch-invariant attention over each sequence's own keys, in fixed chunks at absolute offsets (split-KV with a
+fixed split, as the deterministic modes of SGLang and vLLM and Thinking Machines' batch-invariant kernels do).
+
+A row's attention must give the same bits whatever else shares its pass (other sequences, draft rows, a prefill of
+the whole prompt) and however long the cache is laid out. Library kernels choose their blocking, packing and
+threading from the shapes of a call (PyTorch's CPU flash kernel packs for AMX only above 64 query rows and by a
+per-thread work ratio that counts the batch; its key block is min(512, keys)), so no call here has a shape that
+depends on the pass:
+
+- keys are read in chunks of CHUNK positions at absolute offsets (0..255, 256..511, ...), each chunk one kernel
+  item of exactly CHUNK keys (one key block of the CPU kernel); a sequence reads only the chunks its own tokens
+  reach, so the cost grows with what it holds, not with the cache's capacity or `max_tokens`;
+- queries go in blocks of QUERY_BLOCK tokens (the group of query heads that share a K/V head stacked, so an item
+  has group * QUERY_BLOCK rows, below the 64 where the CPU kernel would pack): a decode row, a draft row and a
+  prefill row are each one row of such an item, at the same key chunks;
+- the chunks' partial results are merged per row by log-sum-exp in ascending chunk order with elementwise ops whose
+  transcendental parts run through one scalar path (`_exp`, `_log1p`), so no element's bits depend on where a
+  vectorised loop's tail fell. A chunk a row does not see (past its own position) is an exact no-op in the merge.
+
+Masked keys must hold finite values (a fully masked key still multiplies its value by 0): the cache is zeroed
+before it is read. The start-up probe (engine/probe.py) checks on the kernels of the running process that items
+do not depend on the batch of the call, on the other rows of their block, or on a row's place in it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 256  # keys per kernel item (<= the CPU flash kernel's 512-key block: one block per item)
+QUERY_BLOCK = 4  # query tokens per kernel item
+ROW_TILE = 16  # matrix products of an invariant pass run on a whole number of tiles of this many rows
+UNSEEN = -1e30  # log-sum-exp of a row that sees no key of a chunk: exp(UNSEEN - x) is exactly 0 for finite x
+
+
+@dataclass
+class ChunkCall:
+    """One kernel call: n items, each QUERY_BLOCK query tokens against one chunk of one sequence's keys."""
+
+    pairs: torch.Tensor  # [n] (sequence, chunk) pair of each item, or [1] when every item reads the same one
+    rows: torch.Tensor  # [n, QUERY_BLOCK] packed token index of each query row (T: a zero row, padding)
+    mask: torch.Tensor  # [n, 1, QUERY_BLOCK, CHUNK] bool, True = the row sees that key
+    shared: bool  # all items read pairs[0]: the keys are one chunk expanded, not gathered
+
+
+@dataclass
+class ChunkPlan:
+    pair_slot: torch.Tensor  # [P] cache slot of each (sequence, chunk) pair the pass reads
+    pair_chunk: torch.Tensor  # [P] chunk index of each pair
+    calls: list[ChunkCall]
+    grid: torch.Tensor  # [G, C] item (in call order; I = none) of query block g at chunk c
+    token_rows: torch.Tensor  # [T] each packed token's row in the merged [G * QUERY_BLOCK] layout
+
+
+def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc: torch.Tensor | None,
+                device) -> ChunkPlan:
+    """Sequence b holds cache_lens[b] tokens in slot slots[b] and adds q_lens[b] new ones at key indices
+    cache_len .. cache_len + q_len - 1. anc [B, max_q, max_q] (new row i sees new row j), or None: causal.
+    Query block j of b reads chunks 0 .. (its last row's key index) // CHUNK."""
+    dev = torch.device(device)
+    pair_ids: dict[tuple[int, int], int] = {}
+    per_pair: dict[int, list[tuple[int, int, int]]] = {}  # pair -> items (b, j, c)
+    blocks, token_rows, starts = [], [], []
+    start = 0
+    for b, (cl, q) in enumerate(zip(cache_lens, q_lens)):
+        starts.append(start)
+        for j in range(-(-q // QUERY_BLOCK)):
+            g = len(blocks)
+            last = cl + min(q, (j + 1) * QUERY_BLOCK) - 1
+            chunks = []
+            for c in range(last // CHUNK + 1):
+                p = pair_ids.setdefault((b, c), len(pair_ids))
+                per_pair.setdefault(p, []).append((b, j, c))
+                chunks.append(p)
+            blocks.append(chunks)
+            token_rows.extend(range(g * QUERY_BLOCK, g * QUERY_BLOCK + min(QUERY_BLOCK, q - j * QUERY_BLOCK)))
+        start += q
+    T = start
+    cl_t = torch.tensor(cache_lens, dtype=torch.long, device=dev)
+    ql_t = torch.tensor(q_lens, dtype=torch.long, device=dev)
+    st_t = torch.tensor(starts, dtype=torch.long, device=dev)
+    batched = [p for p, items in per_pair.items() if len(items) == 1]
+    groups = ([(batched, [per_pair[p][0] for p in batched], False)] if batched else []) + \
+             [([p], items, True) for p, items in per_pair.items() if len(items) > 1]
+    calls, item_of = [], {}
+    for pairs, items, shared in groups:
+        for it in items:
+            item_of[it] = len(item_of)
+        bjc = torch.tensor(items, dtype=torch.long, device=dev)
+        calls.append(ChunkCall(torch.tensor(pairs, dtype=torch.long, device=dev),
+                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared))
+    n_items = len(item_of)
+    width = max(len(ch) for ch in blocks)
+    grid = torch.full((len(blocks), width), n_items, dtype=torch.long)
+    g = 0
+    for b, q in enumerate(q_lens):
+        for j in range(-(-q // QUERY_BLOCK)):
+            for c in range(len(blocks[g])):
+                grid[g, c] = item_of[(b, j, c)]
+            g += 1
+    keys = list(pair_ids)
+    return ChunkPlan(torch.tensor([slots[b] for b, _ in keys], dtype=torch.long, device=dev),
+                     torch.tensor([c for _, c in keys], dtype=torch.long, device=dev), calls, grid.to(dev),
+                     torch.tensor(token_rows, dtype=torch.long, device=dev))
+
+
+def _rows_and_mask(bjc, cl, ql, starts, anc, T):
+    b, j, c = bjc.unbind(1)
+    t = j.view(-1, 1) * QUERY_BLOCK + torch.arange(QUERY_BLOCK, device=bjc.device)  # [n, QB] row in its sequence
+    real = t < ql[b].view(-1, 1)
+    rows = torch.where(real, starts[b].view(-1, 1) + t, T)
+    rel = (c.view(-1, 1, 1) * CHUNK + torch.arange(CHUNK, device=bjc.device)) - cl[b].view(-1, 1, 1)  # [n, 1, S]
+    new = (rel >= 0) & (rel < ql[b].view(-1, 1, 1))
+    if anc is None:
+        sees_new = rel <= t.unsqueeze(-1)
+    else:
+        Q = anc.shape[1]
+        a = anc[b.view(-1, 1), t.clamp(max=Q - 1)]  # [n, QB, Q]
+        sees_new = a.gather(2, rel.clamp(0, Q - 1).expand(-1, QUERY_BLOCK, -1))
+    mask = ((rel < 0) | (new & sees_new)) & real.unsqueeze(-1)
+    return rows, mask.unsqueeze(1)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp with every element through the same scalar code: a strided output keeps the CPU loop from vectorising,
+    whose tail elements would otherwise take another code path than the rest, by the tensor's size."""
+    if x.device.type != "cpu":
+        return torch.exp(x)
+    out = torch.empty(x.numel(), 2, dtype=x.dtype)[:, 0]
+    return torch.exp(x.reshape(-1), out=out).view(x.shape)
+
+
+def _log1p(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu":
+        return torch.log1p(x)
+    out = torch.empty(x.numel(), 2, dtype=x.dtype)[:, 0]
+    return torch.log1p(x.reshape(-1), out=out).view(x.shape)
+
+
+def kernel(q, keys, vals, mask):
+    """(out [n, h, R, D], log-sum-exp [n, h, R] fp32) of one call; the CPU's flash kernel, which returns both."""
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, vals, 0.0, False, attn_mask=bias)
+        return o, lse
+    o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, vals, bias.expand(*q.shape[:3], -1),
+                                                                      True)[:2]
+    return o, lse[..., : q.shape[2]]
+
+
+def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """q [T, heads, D] packed; k/v_cache [slots, kv_heads, capacity, D] with capacity a multiple of CHUNK.
+    Returns [T, heads * D]."""
+    T, H, D = q.shape
+    kvh = k_cache.shape[1]
+    group = H // kvh
+    R = group * QUERY_BLOCK
+    kc = k_cache.view(k_cache.shape[0], kvh, -1, CHUNK, D)
+    vc = v_cache.view(v_cache.shape[0], kvh, -1, CHUNK, D)
+    qz = torch.cat([q, q.new_zeros(1, H, D)])
+    outs, lses = [], []
+    for call in plan.calls:
+        n = call.rows.shape[0]
+        qi = qz[call.rows].view(n, QUERY_BLOCK, kvh, group, D).permute(0, 2, 3, 1, 4).reshape(n, kvh, R, D)
+        s, ch = plan.pair_slot[call.pairs], plan.pair_chunk[call.pairs]
+        if call.shared:
+            keys, vals = (x[s[0], :, ch[0]].unsqueeze(0).expand(n, -1, -1, -1) for x in (kc, vc))
+        else:
+            keys, vals = kc[s, :, ch], vc[s, :, ch]
+        mask = call.mask.repeat(1, 1, group, 1)  # rows (head in group, token)
+        o, lse = kernel(qi, keys, vals, mask)
+        seen = mask.any(-1)  # [n, 1, R]
+        outs.append(o.float())
+        lses.append(torch.where(seen, lse, UNSEEN))
+    outs.append(q.new_zeros(1, kvh, R, D, dtype=torch.float32))
+    lses.append(torch.full((1, kvh, R), UNSEEN, device=q.device))
+    O, L = torch.cat(outs), torch.cat(lses)
+    acc_o, acc_l = O[plan.grid[:, 0]], L[plan.grid[:, 0]]
+    for c in range(1, plan.grid.shape[1]):  # ascending chunks; a row's later unseen chunks change nothing
+        o_c, l_c = O[plan.grid[:, c]], L[plan.grid[:, c]]
+        top = torch.maximum(acc_l, l_c)
+        new_l = top + _log1p(_exp(-(acc_l - l_c).abs()))
+        w_acc, w_c = _exp(acc_l - new_l), _exp(l_c - new_l)
+        acc_o = acc_o * w_acc.unsqueeze(-1) + o_c * w_c.unsqueeze(-1)
+        acc_l = new_l
+    G = acc_o.shape[0]
+    out = acc_o.to(q.dtype).view(G, kvh, group, QUERY_BLOCK, D).permute(0, 3, 1, 2, 4).reshape(G * QUERY_BLOCK, H * D)
+    return out[plan.token_rows]
+
+
+def pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x [N, ...] with zero rows appended up to a whole number of tiles (at least one)."""
+    n = x.shape[0]
+    m = max(-(-n // tile), 1) * tile
+    return x if m == n else torch.cat([x, x.new_zeros(m - n, *x.shape[1:])])
+
+
+def tiled_linear(layer: torch.nn.Linear, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """layer(x) computed on x's rows padded to a whole number of tiles: the product's shape class never depends
+    on how many rows the pass has below a tile (a kernel picks other code for few rows)."""
+    return F.linear(pad_rows(x, tile), layer.weight, layer.bias)[: x.shape[0]]
