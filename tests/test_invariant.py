@@ -290,3 +290,27 @@ def test_an_invariant_verifier_gets_single_path_drafts(smollm, monkeypatch):
     trees = _drafted_trees(model, tok, True, monkeypatch)
     assert len(trees) > 20 and branched(trees) == 0
     assert all(t.parents == list(range(-1, len(t) - 1)) for t in trees)
+
+
+def test_sd_on_and_off_draw_the_same_distribution_without_invariance(tiny_peaked):
+    """Where the probe fails, SD on and off draw from the same distribution, not the same tokens: checked here with
+    the invariant passes off, in bf16, by two-sample chi-square tests (significance 0.001, fixed seeds, disjoint
+    between the arms) on the first three tokens and on the response lengths of 3000 samples per arm."""
+    from scipy.stats import chi2_contingency
+
+    model = copy.deepcopy(tiny_peaked).to(torch.bfloat16)
+    prompt, N = [1, 3, 0, 1], 3000
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=N, seed=0)
+    off = Engine(model, None, EngineConfig(kv_cache_gb=0.5, batch_invariant=False)).generate([prompt], params)
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.5, batch_invariant=False,
+                                           spec=SpecConfig(mode="history", budgets=(2, 3), min_match=1)))
+    eng.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, n=N, seed=10**6))  # history to draft from
+    on = eng.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, n=N, seed=2 * 10**6))
+    assert sum(o.stats["accepted"] for o in on) > N // 5, "too few accepted drafts to test anything"
+    lengths = {len(o.token_ids) for o in off}
+    assert len(lengths) > 3, "responses of too few lengths to compare their distribution"
+    for name, key in (("first three tokens", lambda o: tuple(o.token_ids[:3])), ("lengths", lambda o: len(o.token_ids))):
+        cells = sorted({key(o) for o in off} | {key(o) for o in on})
+        table = [[sum(key(o) == c for o in arm) for c in cells] for arm in (off, on)]
+        table = [[a, b] for a, b in zip(*table) if a + b >= 10]  # sparse cells pooled out
+        assert chi2_contingency(table).pvalue > 1e-3, f"SD on and off differ in {name}"
