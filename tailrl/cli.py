@@ -67,7 +67,8 @@ def cmd_generate(args) -> int:
         sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
         config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
-                              spec=SpecConfig(mode=args.spec, seed=args.seed or 0))
+                              spec=SpecConfig(mode=args.spec, seed=args.seed or 0),
+                              batch_invariant={"true": True, "false": False}.get(args.batch_invariant, "auto"))
         out = check_writable(args.out)
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -86,7 +87,14 @@ def cmd_generate(args) -> int:
     prompts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) and p else p for p, err in rows if err is None]
     from .drafter.compose import make_speculator
 
-    engine = Engine(model, tokenizer, config, make_speculator(config.spec, learned))
+    try:
+        engine = Engine(model, tokenizer, config, make_speculator(config.spec, learned))
+    except RuntimeError as e:  # batch_invariant=true where the start-up probe found the kernels vary
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    v = engine.invariance
+    print(f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
+          + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
     for epoch in range(args.epochs - 1):  # earlier epochs feed the history drafter, as in RL
         engine.generate(prompts, sampling, progress=not args.quiet)
         print(f"epoch {epoch}: {json.dumps(engine.last_stats.summary())}")
@@ -259,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on CUDA and on CPUs with bf16 matrix hardware, else fp32 (as model.dtype in train)")
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--batch-invariant", default="auto", choices=["auto", "true", "false"],
+                   help="SD on and off emit the very same tokens (engine/invariant.py); auto: bf16 on a CPU, if the probe holds")
     g.add_argument("--spec", default="auto", choices=["auto", "off", "history", "ngram", "learned"],
                    help="speculative decoding: auto = the selector decides per batch size")
     g.add_argument("--drafter", help="a learned drafter folder (tailrl drafter train) to draft with")
