@@ -31,8 +31,8 @@ from safetensors import SafetensorError
 
 from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
 from ..model import save_pretrained
-from .state_io import PICKLED, STATE_JSON, StateError, convert_pickled, is_pickled, read_pickled_state, read_state, \
-    write_state
+from .state_io import (PICKLED, STATE_JSON, STATE_TENSORS, StateError, convert_pickled, is_pickled, read_pickled_state,
+                       read_state, write_state)
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step_(\d+)$")
@@ -167,10 +167,15 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
         f = ckpt / "model" / "model.safetensors"
         try:
             model = load_file(str(f))
-            f = ckpt / (PICKLED if pickled else STATE_JSON)
             if pickled:
+                f = ckpt / PICKLED
                 log.warning("trainer.trust_pickled_state=true: unpickling %s (this runs any code in it)", f)
-            state = read_pickled_state(ckpt) if pickled else read_state(ckpt)
+                state = read_pickled_state(ckpt)
+            else:
+                f = ckpt / STATE_TENSORS
+                tensors = load_file(str(f))
+                f = ckpt / STATE_JSON
+                state = read_state(ckpt, tensors)
             f = ckpt / "config.json"
             config = json.loads(f.read_text())
             f = ckpt / "drafter"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 PICKLED = "trainer_state.pt"  # the format before issue 36: torch.save of the state dict (a pickle)
 FORMAT = 2
+_INT = re.compile(r"-?[0-9]+")
 
 
 class StateError(ValueError):
@@ -36,18 +38,21 @@ class StateError(ValueError):
 
 def encode(value, tensors: dict, path: str = ""):
     """value as plain JSON; its tensors go into `tensors` under their path ('optimizer/state/0/exp_avg')."""
+    def sub(k) -> str:
+        return f"{path}/{k}" if path else str(k)
+
     if isinstance(value, torch.Tensor):
         tensors[path] = value
         return {"$tensor": path}
     if isinstance(value, dict):
         if value and all(isinstance(k, int) and not isinstance(k, bool) for k in value):
-            return {"$int_keys": {str(k): encode(v, tensors, f"{path}/{k}") for k, v in value.items()}}
+            return {"$int_keys": {str(k): encode(v, tensors, sub(k)) for k, v in value.items()}}
         bad = [k for k in value if not isinstance(k, str) or k.startswith("$")]
         if bad:
             raise TypeError(f"trainer state {path or '/'}: key {bad[0]!r} is neither all-int nor a plain string")
-        return {k: encode(v, tensors, f"{path}/{k}") for k, v in value.items()}
+        return {k: encode(v, tensors, sub(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [encode(v, tensors, f"{path}/{i}") for i, v in enumerate(value)]
+        return [encode(v, tensors, sub(i)) for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"trainer state {path or '/'}: a {type(value).__name__} has no plain form")
@@ -56,6 +61,10 @@ def encode(value, tensors: dict, path: str = ""):
 def decode(obj, tensors: dict, field: str = ""):
     """The inverse of encode; a dangling tensor name or a malformed tag is a StateError naming the field."""
     name = field or "(top)"
+
+    def sub(k) -> str:
+        return f"{field}.{k}" if field else str(k)
+
     if isinstance(obj, dict):
         if "$tensor" in obj:
             key = obj["$tensor"]
@@ -66,12 +75,12 @@ def decode(obj, tensors: dict, field: str = ""):
             return tensors[key]
         if "$int_keys" in obj:
             items = obj["$int_keys"]
-            if len(obj) != 1 or not isinstance(items, dict) or not all(k.lstrip("-").isdigit() for k in items):
+            if len(obj) != 1 or not isinstance(items, dict) or not all(_INT.fullmatch(k) for k in items):
                 raise StateError(name, "a malformed int-keyed dict")
-            return {int(k): decode(v, tensors, f"{field}.{k}".lstrip(".")) for k, v in items.items()}
-        return {k: decode(v, tensors, f"{field}.{k}".lstrip(".")) for k, v in obj.items()}
+            return {int(k): decode(v, tensors, sub(k)) for k, v in items.items()}
+        return {k: decode(v, tensors, sub(k)) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [decode(v, tensors, f"{field}.{i}".lstrip(".")) for i, v in enumerate(obj)]
+        return [decode(v, tensors, sub(i)) for i, v in enumerate(obj)]
     return obj
 
 
@@ -100,13 +109,13 @@ def write_state(folder: Path, state: dict) -> None:
     os.replace(tmp, folder / STATE_JSON)
 
 
-def read_state(folder: Path) -> dict:
-    """The state write_state wrote; runs no code from the files. OSError/SafetensorError/ValueError on a file
-    that does not load, StateError on a malformed document."""
+def read_state(folder: Path, tensors: dict | None = None) -> dict:
+    """The state write_state wrote (tensors: its safetensors file, when already read); runs no code from the
+    files. OSError/SafetensorError/ValueError on a file that does not load, StateError on a malformed document."""
     doc = json.loads((folder / STATE_JSON).read_text())
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("state"), dict):
         raise StateError("format", f"{STATE_JSON} is not a tailrl trainer state of format {FORMAT}")
-    return decode(doc["state"], load_file(str(folder / STATE_TENSORS)))
+    return decode(doc["state"], load_file(str(folder / STATE_TENSORS)) if tensors is None else tensors)
 
 
 def is_pickled(folder: Path) -> bool:
