@@ -189,3 +189,19 @@ def test_an_old_format_folder_resumes_with_the_flag_exactly_and_is_rewritten(tin
     wa, wb = (load_file(str(d / "checkpoints" / "step_000003" / "model" / "model.safetensors")) for d in (full, run))
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa), "weights differ after step 3"
     assert resume(tiny_chat, task_file, run).step == 3  # no flag needed any more
+
+
+@pytest.mark.parametrize("content", ["payload", "dict", "out of range"])
+def test_a_drafter_folder_runs_no_code_from_its_vocabulary_file(tiny_chat, tmp_path, content):
+    from tailrl.drafter.eagle import VOCAB_FILE, EagleDrafter, load_drafter, save_drafter
+    from tailrl.model import load_model
+
+    model, _ = load_model(tiny_chat, device="cpu", dtype=torch.float32)
+    folder = save_drafter(EagleDrafter(model.config, torch.tensor([0, 2, 5])).bind(model), tmp_path / "drafter")
+    assert load_drafter(folder).vocab.tolist() == [0, 2, 5]
+    marker = tmp_path / "payload_ran"
+    bad = {"payload": Payload(marker), "dict": {"ids": [0, 2]}, "out of range": torch.tensor([0, 10**6])}[content]
+    torch.save(bad, folder / VOCAB_FILE)
+    with pytest.raises(ValueError, match=f"{VOCAB_FILE} (holds more than a tensor|is not a 1-D tensor of token ids)"):
+        load_drafter(folder)
+    assert not marker.exists(), "the payload ran"
