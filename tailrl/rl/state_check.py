@@ -115,6 +115,8 @@ def check_optimizer(saved, live: torch.optim.Optimizer, field: str) -> None:
         for k, v in g.items():
             if k in lg and k != "params":
                 _like(v, lg[k], f"{f}.{k}")
+    if sorted(i for g in groups for i in g["params"]) != list(range(len(params))):
+        raise StateError(f"{field}.param_groups", f"its parameter ids are not 0..{len(params) - 1}, each once")
     state = _need(saved, "state", field)
     if not isinstance(state, dict):
         raise StateError(f"{field}.state", f"a {type(state).__name__} where a dict was expected")
