@@ -182,13 +182,13 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
             got = Loaded(ckpt, model, state, config, load_drafter(f) if f.is_dir() else None)
         except Exception as e:  # truncated, corrupt or missing: any of them makes the checkpoint unusable
             log.warning("checkpoint %s is unusable (%s: %s: %s): trying the one before", ckpt.name, f,
-                        type(e).__name__, str(e)[:200])
+                        type(e).__name__, _one_line(e, 200))
             continue
         try:
             if check is not None:
                 check(got)
         except StateError as e:
-            log.warning("checkpoint %s is unusable (%s): trying the one before", ckpt.name, str(e)[:300])
+            log.warning("checkpoint %s is unusable (%s): trying the one before", ckpt.name, _one_line(e, 300))
             continue
         if pickled:
             _convert(ckpt, state)
@@ -197,6 +197,10 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
         raise CheckpointError(f"none of the {len(found)} checkpoints in {root} is usable (the warnings above say "
                               "why): remove or repair them, or start this run afresh with trainer.overwrite=true")
     return None
+
+
+def _one_line(e: Exception, n: int) -> str:
+    return " ".join(str(e).split())[:n]
 
 
 def _convert(ckpt: Path, state: dict) -> None:
