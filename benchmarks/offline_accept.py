@@ -25,8 +25,7 @@ import argparse
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-
+from tailrl.rl.state_io import is_pickled, read_state
 from tailrl.spec.config import SpecConfig
 from tailrl.spec.drafters import NgramDrafter
 from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
@@ -127,7 +126,10 @@ def main():
     ckpt = args.run
     if (ckpt / "checkpoints").is_dir():
         ckpt = sorted((ckpt / "checkpoints").glob("step_*"))[-1]
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False, map_location="cpu", mmap=True)
+    if is_pickled(ckpt):  # reading it would run any code in the pickle
+        raise SystemExit(f"{ckpt}: its trainer state is the old pickled format; resume the run once with "
+                         "trainer.trust_pickled_state=true (if you trust it) to rewrite it")
+    state = read_state(ckpt)
     prompts = [p for p in state["history"]["prompts"] if len(p["epochs"]) >= 2 and len(p["epochs"][-1]) > 1]
     if not prompts:
         raise SystemExit(f"{ckpt}: no training prompt with two kept epochs in its history index")

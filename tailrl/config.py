@@ -117,6 +117,9 @@ class TrainerCfg:
     seed: int = 0
     out_dir: str = "runs/default"
     resume: bool = False  # continue from the last checkpoint in out_dir
+    # resume a checkpoint whose trainer state is a pickle (trainer_state.pt, before issue 36): unpickling runs any code
+    # in the file, so only for a folder you trust; the state is then rewritten as JSON + safetensors
+    trust_pickled_state: bool = False
     overwrite: bool = False  # replace the run in out_dir (its metrics and checkpoints are deleted)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     save_optimizer_final: bool = True  # the last checkpoint holds the optimizer state too (2/3 of its size)

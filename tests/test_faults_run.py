@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from tailrl.rl.checkpoint import CheckpointError
 from tailrl.rl.run import train
 from tailrl.rl.run_dir import RunDirError
+from tailrl.rl.state_io import read_state
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 
@@ -64,27 +66,27 @@ def test_a_second_run_in_a_folder_names_the_holder(tiny_chat, task_file, tmp_pat
 
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   # what torch.save itself raises when the disk fills while it writes (seen here)
-                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 446159872 "
-                                                "vs 446159764")])
+                                   # what safetensors raises when a write fails (seen here with RLIMIT_FSIZE)
+                                   SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                   "(os error 28)")])
 def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file, tmp_path, monkeypatch, error):
     t = Trainer(cfg(tiny_chat, task_file, tmp_path, "trainer.keep_checkpoints=1", "trainer.save_optimizer_final=false"))
     try:
         root = tmp_path / "checkpoints"
         t.save()
-        import tailrl.rl.checkpoint as ck
+        import tailrl.rl.state_io as state_io
 
         def full_disk(*a, **k):
             raise error
 
         with monkeypatch.context() as m:
-            m.setattr(ck.torch, "save", full_disk)
+            m.setattr(state_io, "save_file", full_disk)
             t.step = 1
-            with pytest.raises(CheckpointError, match=r"(No space left on device|unexpected pos).*MB free on that disk.*"
+            with pytest.raises(CheckpointError, match=r"No space left on device.*MB free on that disk.*"
                                                       r"previous checkpoint \(step_000000\) is intact"):
                 t.save()
         assert (root / "latest").read_text() == "step_000000" and not list(root.glob(".tmp*"))
-        assert torch.load(root / "step_000000" / "trainer_state.pt", weights_only=False)["step"] == 0
+        assert read_state(root / "step_000000")["step"] == 0
         with torch.no_grad():
             next(t.policy.parameters())[0, 0] = float("nan")
         with pytest.raises(CheckpointError, match="NaN/inf"):
@@ -95,7 +97,7 @@ def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file
         t.step = 2
         t.save(final=True)  # keep_checkpoints=1, no optimizer state in the final save
         assert [p.name for p in root.iterdir() if p.is_dir()] == ["step_000002"]
-        assert torch.load(root / "step_000002" / "trainer_state.pt", weights_only=False)["optimizer"] is None
+        assert read_state(root / "step_000002")["optimizer"] is None
     finally:
         t.close()
 

@@ -60,6 +60,11 @@ def test_kill_and_resume_continues_exactly(tiny_chat, task_file, tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3]
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "response_lengths"):
         assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-6), key
+    # and the weights after the resumed step, which depend on the optimizer state the checkpoint held
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(d / "checkpoints" / "step_000003" / "model" / "model.safetensors")) for d in (full, part))
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa), "weights differ after step 3"
 
 
 def test_raising_and_hanging_rewards_do_not_stop_a_run(tiny_chat, task_file, tmp_path):

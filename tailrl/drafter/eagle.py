@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
@@ -163,7 +164,15 @@ def load_drafter(folder: str | Path, target=None, device=None, dtype=None) -> Ea
     cfg = ModelConfig.from_hf(hf)
     cfg.extra.pop("tailrl", None)
     cfg.extra.pop("hot_vocab_size", None)
-    vocab = torch.load(folder / VOCAB_FILE, weights_only=True) if (folder / VOCAB_FILE).is_file() else None
+    vocab = None
+    if (folder / VOCAB_FILE).is_file():  # weights_only: tensors and plain containers only, never code from the file
+        try:
+            vocab = torch.load(folder / VOCAB_FILE, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # a type outside weights_only's allow-list: refused before it runs
+            raise ValueError(f"{folder / VOCAB_FILE} holds more than a tensor ({str(e).splitlines()[0]})") from None
+        if not isinstance(vocab, torch.Tensor) or vocab.dim() != 1 or vocab.is_floating_point() or (
+                len(vocab) and not 0 <= int(vocab.min()) <= int(vocab.max()) < cfg.vocab_size):
+            raise ValueError(f"{folder / VOCAB_FILE} is not a 1-D tensor of token ids below {cfg.vocab_size}")
     drafter = EagleDrafter(cfg, vocab)
     sd = load_file(str(folder / "model.safetensors"))
     sd.pop("embed_tokens.weight", None)

@@ -1,13 +1,18 @@
 """RL checkpoints: `run/checkpoints/step_NNNNNN/` with the policy (HF safetensors), the trainer state (optimizer,
-RNG, step, data position, history index, drafter trainer), the config and the learned drafter head.
+RNG, step, data position, history index, drafter trainer: trainer_state.json + trainer_state.safetensors, see
+state_io.py), the config and the learned drafter head.
 
 Invariants:
 - A checkpoint exists whole or not at all: it is written to `.tmp_step_N` and renamed; `latest` is replaced
   atomically after the rename. A failed write (a full disk) removes the partial folder and leaves the previous
   checkpoint and `latest` as they were.
 - A policy with a non-finite weight is never written.
-- Reading falls back: a missing or corrupt `latest`, or a checkpoint whose files do not load, gives a warning
-  naming the file and the next older checkpoint is tried.
+- Loading runs no code from the folder: every file is safetensors or JSON (a drafter's hot_token_ids.pt is read
+  with torch.load(weights_only=True)). An old checkpoint whose state is a pickle (trainer_state.pt) is read only
+  with trust_pickled, and is then rewritten in the new format.
+- Reading falls back: a missing or corrupt `latest`, a checkpoint whose files do not load, or one whose fields
+  fail the caller's check (state_check.py) gives a one-line warning naming the file or field, and the next
+  older checkpoint is tried; when checkpoints exist and none is usable, a CheckpointError says so.
 - Pruning keeps the newest `keep` checkpoints at or before the step just written (newer ones belong to a
   timeline abandoned by a fallback)."""
 
@@ -22,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
 from ..model import save_pretrained
+from .state_io import (PICKLED, STATE_JSON, STATE_TENSORS, StateError, convert_pickled, is_pickled, read_pickled_state,
+                       read_state, write_state)
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step_(\d+)$")
@@ -38,7 +46,7 @@ class CheckpointError(RuntimeError):
 class Loaded:
     path: Path
     model: dict  # state dict of the policy as saved (tied LM head not repeated)
-    state: dict  # trainer_state.pt
+    state: dict  # the trainer state (state_io.read_state)
     config: dict  # the run's config when it was saved
     drafter: EagleDrafter | None
 
@@ -77,14 +85,14 @@ def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, confi
         save_pretrained(policy, tmp / "model", tokenizer)
         if head is not None:
             save_drafter(head, tmp / "drafter", meta={"rl_step": step})
-        torch.save(state, tmp / "trainer_state.pt")
+        write_state(tmp, state)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # a checkpoint exists whole or not at all
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError ("unexpected pos")
+    except (OSError, RuntimeError, SafetensorError) as e:  # safetensors reports a full disk as a SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_name(root)
         why = getattr(e, "strerror", None) or str(e).strip()
@@ -141,26 +149,68 @@ def candidates(root: Path) -> list[Path]:
     return [root / name] + [d for d in dirs if d.name != name] if name else dirs
 
 
-def load_checkpoint(root: Path) -> Loaded | None:
-    """The newest checkpoint under root whose files all load, or None when there is none."""
+def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Loaded | None:
+    """The newest checkpoint under root whose files all load and pass `check(loaded)` (which raises StateError
+    naming a bad field); None when root holds no checkpoint. CheckpointError when root holds checkpoints and none
+    is usable, or when the one to read keeps its state as a pickle and trust_pickled is off."""
     from safetensors.torch import load_file
 
-    for ckpt in candidates(root):
+    found = candidates(root)
+    for ckpt in found:
+        pickled = is_pickled(ckpt)
+        if pickled and not trust_pickled:
+            raise CheckpointError(
+                f"{ckpt / PICKLED} holds the trainer state as a pickle (the format before tailrl stored it as "
+                f"{STATE_JSON} + safetensors), and loading a pickle runs any code its writer put in it. Resume it "
+                "only if you trust where this run folder came from, with trainer.trust_pickled_state=true (the "
+                "state is then rewritten in the new format)")
         f = ckpt / "model" / "model.safetensors"
         try:
             model = load_file(str(f))
-            f = ckpt / "trainer_state.pt"
-            state = torch.load(f, weights_only=False)
+            if pickled:
+                f = ckpt / PICKLED
+                log.warning("trainer.trust_pickled_state=true: unpickling %s (this runs any code in it)", f)
+                state = read_pickled_state(ckpt)
+            else:
+                f = ckpt / STATE_TENSORS
+                tensors = load_file(str(f))
+                f = ckpt / STATE_JSON
+                state = read_state(ckpt, tensors)
             f = ckpt / "config.json"
             config = json.loads(f.read_text())
             f = ckpt / "drafter"
-            drafter = load_drafter(f) if f.is_dir() else None
+            got = Loaded(ckpt, model, state, config, load_drafter(f) if f.is_dir() else None)
         except Exception as e:  # truncated, corrupt or missing: any of them makes the checkpoint unusable
             log.warning("checkpoint %s is unusable (%s: %s: %s): trying the one before", ckpt.name, f,
-                        type(e).__name__, str(e)[:200])
+                        type(e).__name__, _one_line(e, 200))
             continue
-        return Loaded(ckpt, model, state, config, drafter)
+        try:
+            if check is not None:
+                check(got)
+        except StateError as e:
+            log.warning("checkpoint %s is unusable (%s): trying the one before", ckpt.name, _one_line(e, 300))
+            continue
+        if pickled:
+            _convert(ckpt, state)
+        return got
+    if found:
+        raise CheckpointError(f"none of the {len(found)} checkpoints in {root} is usable (the warnings above say "
+                              "why): remove or repair them, or start this run afresh with trainer.overwrite=true")
     return None
+
+
+def _one_line(e: Exception, n: int) -> str:
+    return " ".join(str(e).split())[:n]
+
+
+def _convert(ckpt: Path, state: dict) -> None:
+    try:
+        convert_pickled(ckpt, state)
+    except (OSError, SafetensorError, TypeError) as e:
+        log.warning("could not rewrite %s in the new format (%s): the next resume needs "
+                    "trainer.trust_pickled_state=true again", ckpt / PICKLED, e)
+        return
+    log.warning("rewrote the trainer state of %s as %s + safetensors (the pickle is removed)", ckpt, STATE_JSON)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -176,6 +226,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def config_changes(saved: dict, now: dict) -> list[str]:
     """'key: old -> new' for every config value that differs from the checkpoint's (resume/overwrite aside)."""
     a, b = _flat(saved), _flat(now)
-    skip = {"trainer.resume", "trainer.overwrite"}
+    skip = {"trainer.resume", "trainer.overwrite", "trainer.trust_pickled_state"}
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]

@@ -34,6 +34,7 @@ from .precision import Precision, make_adamw, resolve_mode
 from .reward_runner import RewardRunner
 from .rewards import accuracy_verifier
 from .samples import pick_samples, sample_steps
+from .state_check import check_checkpoint, python_rng
 from .update import policy_update
 from .weights import push_weights
 
@@ -294,9 +295,11 @@ class Trainer:
         return json.loads(json.dumps(to_dict(self.cfg)))
 
     def resume(self) -> bool:
-        """Loads the newest usable checkpoint (see checkpoint.py for the fallbacks) and says what it did."""
+        """Loads the newest usable checkpoint (see checkpoint.py for the fallbacks) and says what it did. Each is
+        checked against this trainer first (state_check.py), so that what follows cannot fail half way."""
         root = self.out / "checkpoints"
-        got = load_checkpoint(root)
+        got = load_checkpoint(root, lambda c: check_checkpoint(c, self.policy, self.optimizer, self.drafter_trainer,
+                                                               self.head), self.cfg.trainer.trust_pickled_state)
         if got is None:
             print(f"no checkpoint in {root}: starting fresh")
             return False
@@ -317,7 +320,7 @@ class Trainer:
             g["lr"], g["weight_decay"] = self.cfg.algo.lr, self.cfg.algo.weight_decay
             g.update(kernels)
         self.loader.load_state_dict(state["loader"])
-        random.setstate(state["python_rng"])
+        random.setstate(python_rng(state["python_rng"]))
         torch.set_rng_state(state["torch_rng"])
         if self.history is not None:  # exactly the checkpoint's index: none if its run kept none (SD off)
             self.history.load_state_dict(state.get("history") or {"prompts": []})
