@@ -93,8 +93,11 @@ def _attention_items(model: CausalLM) -> list[str]:
     mask = torch.zeros(n, 1, R, CHUNK, dtype=torch.bool, device=model.device)
     mask[..., : CHUNK // 2 + 7] = True
     ref, ref_lse = kernel(q[:1], k[:1], v[:1], mask[:1])
+    wide_k, wide_v = rand(n, kvh, 2 * CHUNK, D), rand(n, kvh, 2 * CHUNK, D)  # keys as a strided view of a cache
+    wide_k[:, :, CHUNK:], wide_v[:, :, CHUNK:] = k, v
     checks = {"in a call of many items": kernel(q, k, v, mask),
-              "with its keys expanded": kernel(q, k[:1].expand(n, -1, -1, -1), v[:1].expand(n, -1, -1, -1), mask)}
+              "with its keys expanded": kernel(q, k[:1].expand(n, -1, -1, -1), v[:1].expand(n, -1, -1, -1), mask),
+              "with its keys a view of a longer cache": kernel(q, wide_k[:, :, CHUNK:], wide_v[:, :, CHUNK:], mask)}
     other = q.clone()
     other[:, :, 1:] = rand(n, kvh, R - 1, D)
     checks["beside other query rows"] = kernel(other, k, v, mask)

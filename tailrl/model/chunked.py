@@ -36,12 +36,24 @@ UNSEEN = -1e30  # log-sum-exp of a row that sees no key of a chunk: exp(UNSEEN -
 
 @dataclass
 class ChunkCall:
-    """One kernel call: n items, each QUERY_BLOCK query tokens against one chunk of one sequence's keys."""
+    """One kernel call: n items, each QUERY_BLOCK query tokens against one chunk of one sequence's keys. Every
+    layer of the pass makes it; what does not change between layers is built once (`bias`)."""
 
     pairs: torch.Tensor  # [n] (sequence, chunk) pair of each item, or [1] when every item reads the same one
     rows: torch.Tensor  # [n, QUERY_BLOCK] packed token index of each query row (T: a zero row, padding)
     mask: torch.Tensor  # [n, 1, QUERY_BLOCK, CHUNK] bool, True = the row sees that key
     shared: bool  # all items read pairs[0]: the keys are one chunk expanded, not gathered
+    view: tuple[int, int, int] | None = None  # (first slot, end slot, chunk): the items' keys are a view of the cache
+    _bias: dict = None  # dtype -> (additive mask [n, 1, R, CHUNK] for `group` query heads a row, seen [n, 1, R])
+
+    def bias(self, group: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bias is None:
+            self._bias = {}
+        if dtype not in self._bias:
+            mask = self.mask.repeat(1, 1, group, 1)  # rows (head in group, token)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._bias[dtype] = (bias, mask.any(-1))
+        return self._bias[dtype]
 
 
 @dataclass
@@ -80,16 +92,23 @@ def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc:
     cl_t = torch.tensor(cache_lens, dtype=torch.long, device=dev)
     ql_t = torch.tensor(q_lens, dtype=torch.long, device=dev)
     st_t = torch.tensor(starts, dtype=torch.long, device=dev)
-    batched = [p for p, items in per_pair.items() if len(items) == 1]
-    groups = ([(batched, [per_pair[p][0] for p in batched], False)] if batched else []) + \
+    keys = list(pair_ids)
+    by_chunk: dict[int, list[int]] = {}  # pairs read by one query block, by chunk: one call each
+    for p, items in per_pair.items():
+        if len(items) == 1:
+            by_chunk.setdefault(keys[p][1], []).append(p)
+    groups = [(ps, [per_pair[p][0] for p in ps], False) for _, ps in sorted(by_chunk.items())] + \
              [([p], items, True) for p, items in per_pair.items() if len(items) > 1]
     calls, item_of = [], {}
     for pairs, items, shared in groups:
         for it in items:
             item_of[it] = len(item_of)
         bjc = torch.tensor(items, dtype=torch.long, device=dev)
+        first = slots[keys[pairs[0]][0]]
+        run = [slots[keys[p][0]] for p in pairs] == list(range(first, first + len(pairs)))
         calls.append(ChunkCall(torch.tensor(pairs, dtype=torch.long, device=dev),
-                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared))
+                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared,
+                               (first, first + len(pairs), keys[pairs[0]][1]) if run and not shared else None))
     n_items = len(item_of)
     width = max(len(ch) for ch in blocks)
     grid = torch.full((len(blocks), width), n_items, dtype=torch.long)
@@ -99,7 +118,6 @@ def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc:
             for c in range(len(blocks[g])):
                 grid[g, c] = item_of[(b, j, c)]
             g += 1
-    keys = list(pair_ids)
     return ChunkPlan(torch.tensor([slots[b] for b, _ in keys], dtype=torch.long, device=dev),
                      torch.tensor([c for _, c in keys], dtype=torch.long, device=dev), calls, grid.to(dev),
                      torch.tensor(token_rows, dtype=torch.long, device=dev))
@@ -138,9 +156,11 @@ def _log1p(x: torch.Tensor) -> torch.Tensor:
     return torch.log1p(x.reshape(-1), out=out).view(x.shape)
 
 
-def kernel(q, keys, vals, mask):
-    """(out [n, h, R, D], log-sum-exp [n, h, R] fp32) of one call; the CPU's flash kernel, which returns both."""
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+def kernel(q, keys, vals, mask, bias=None):
+    """(out [n, h, R, D], log-sum-exp [n, h, R] fp32) of one call; the CPU's flash kernel, which returns both.
+    bias: the additive form of mask (bool, True = seen), when the caller has it."""
+    if bias is None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     if q.device.type == "cpu":
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, vals, 0.0, False, attn_mask=bias)
         return o, lse
@@ -163,14 +183,17 @@ def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for call in plan.calls:
         n = call.rows.shape[0]
         qi = qz[call.rows].view(n, QUERY_BLOCK, kvh, group, D).permute(0, 2, 3, 1, 4).reshape(n, kvh, R, D)
-        s, ch = plan.pair_slot[call.pairs], plan.pair_chunk[call.pairs]
-        if call.shared:
-            keys, vals = (x[s[0], :, ch[0]].unsqueeze(0).expand(n, -1, -1, -1) for x in (kc, vc))
+        if call.view is not None:  # consecutive slots at one chunk: no copy
+            s0, s1, ch = call.view
+            keys, vals = kc[s0:s1, :, ch], vc[s0:s1, :, ch]
         else:
-            keys, vals = kc[s, :, ch], vc[s, :, ch]
-        mask = call.mask.repeat(1, 1, group, 1)  # rows (head in group, token)
-        o, lse = kernel(qi, keys, vals, mask)
-        seen = mask.any(-1)  # [n, 1, R]
+            s, ch = plan.pair_slot[call.pairs], plan.pair_chunk[call.pairs]
+            if call.shared:
+                keys, vals = (x[s[0], :, ch[0]].unsqueeze(0).expand(n, -1, -1, -1) for x in (kc, vc))
+            else:
+                keys, vals = kc[s, :, ch], vc[s, :, ch]
+        bias, seen = call.bias(group, q.dtype)
+        o, lse = kernel(qi, keys, vals, None, bias)
         outs.append(o.float())
         lses.append(torch.where(seen, lse, UNSEEN))
     outs.append(q.new_zeros(1, kvh, R, D, dtype=torch.float32))
