@@ -83,6 +83,8 @@ class AlgoCfg:
     ppo_epochs: int = 1  # passes over each rollout batch
     mini_batch_size: int = 16  # sequences per optimizer step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    # > 0: micro-batches by packed tokens (prompts once per group, no padding) instead of micro_batch_size sequences
+    micro_batch_tokens: int = 0
     lr: float = 3e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -147,6 +149,7 @@ class Config:
             (a.kl_type in ("k1", "k3"), "algo.kl_type", "k1 or k3"),
             (a.mini_batch_size >= 1 and a.micro_batch_size >= 1, "algo.mini_batch_size", ">= 1 (and micro_batch_size too)"),
             (a.ppo_epochs >= 1, "algo.ppo_epochs", ">= 1"),
+            (a.micro_batch_tokens >= 0, "algo.micro_batch_tokens", ">= 0 (0 = micro-batches of micro_batch_size)"),
             (a.lr > 0, "algo.lr", "> 0"),
             (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low", "in [0, 1) with clip_high >= 0"),
             (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),

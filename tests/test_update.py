@@ -226,3 +226,64 @@ def test_chunked_head_gradient_without_the_entropy_term():
     (ref_lp[0] @ g).backward()
     torch.testing.assert_close(got[0], h.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
     torch.testing.assert_close(got[1], w.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def grouped_comps(seed: int, prompts: int, n: int):
+    """n samples per prompt (a GRPO group each), responses of 1-40 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 9))]
+        for _ in range(n):
+            resp = [rng.randrange(3, 96) for _ in range(rng.randint(1, 40))]
+            out.append(SimpleNamespace(prompt_token_ids=list(prompt), token_ids=resp, logprobs=[-2.0] * len(resp)))
+    return out
+
+
+def test_token_budget_micro_batches_fit_the_budget_and_keep_groups_together():
+    from tailrl.rl.packing import packed_len, packed_tokens
+
+    batch = make_batch(grouped_comps(seed=5, prompts=6, n=4), pad=0)
+    batch.seqs[3] = batch.seqs[3] + list(range(3, 93)) * 2  # one sequence longer than the budget: a micro-batch alone
+    idx = list(range(len(batch)))
+    budget = 150
+    micros = micro_batches(batch, idx, 1, tokens=budget)
+    assert sorted(i for m in micros for i in m) == idx
+    sizes = [packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, m) for m in micros]
+    assert micros[0] == [3] and sizes[0] > budget and all(s <= budget for s in sizes[1:])
+    assert max(map(len, micros)) > 4  # more sequences than a group: the count is not the limit
+    for g in set(batch.groups):  # a group that fits the budget is never cut
+        members = [i for i in idx if batch.groups[i] == g]
+        if 3 not in members and packed_len(batch.seqs, batch.prompt_lens, members) <= budget:
+            assert sum(set(members) <= set(m) for m in micros) == 1, g
+    assert micro_batches(batch, idx, 3) == micro_batches(batch, idx, 3, tokens=0)  # 0: by sequence count
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_update_equals_sequence_count_update(tiny, loss_agg):
+    """Micro-batches by a token budget cut the batch differently from micro-batches of 2 sequences; the weights and
+    Adam's state after the update (2 PPO epochs, 2 mini-batches each) are the same up to fp32 summation order."""
+    batch = make_batch(grouped_comps(seed=6, prompts=4, n=3), pad=0)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(7))
+    algo = AlgoCfg(mini_batch_size=6, micro_batch_size=2, ppo_epochs=2, loss_agg=loss_agg)
+    by_tokens = AlgoCfg(**{**vars(algo), "micro_batch_tokens": 120})
+    assert micro_batches(batch, list(range(6)), 2) != micro_batches(batch, list(range(6)), 2, tokens=120)
+    seqs, opt_s, m_s = run_update(tiny, batch, adv, algo)
+    toks, opt_t, m_t = run_update(tiny, batch, adv, by_tokens)
+    assert m_t["actor/pg_loss"] == pytest.approx(m_s["actor/pg_loss"], abs=1e-6)
+    for (n, p), q in zip(toks.named_parameters(), seqs.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=5e-6, msg=n)  # 0.5% of one AdamW step (lr 1e-3)
+        for key in ("exp_avg", "exp_avg_sq"):
+            got, want = opt_t.state[p][key], opt_s.state[q][key]
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()) + 1e-12, f"{n} {key}"
+    moved = max(float((p - q).detach().abs().max()) for p, q in zip(toks.parameters(), tiny.parameters()))
+    assert moved > 1e-4
+
+
+def test_negative_micro_batch_tokens_is_a_config_error():
+    from tailrl.config import Config, ConfigError
+
+    cfg = Config()
+    cfg.algo.micro_batch_tokens = -1
+    with pytest.raises(ConfigError, match="algo.micro_batch_tokens"):
+        cfg.validate()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .logprobs import CHUNK_ROWS, head_logprobs
-from .packing import group_keys, layout, packed_len, segments
+from .packing import group_keys, layout, packed_len, segments, token_segments
 
 
 @dataclass
@@ -60,18 +60,28 @@ def make_batch(comps, pad: int) -> Batch:
     return Batch(seqs, plens, mask, rollout, start, pad)
 
 
-def micro_batches(batch: Batch, idx: list[int], size: int) -> list[list[int]]:
-    """Splits idx into micro-batches of at most `size` sequences: a prompt's samples stay together (one segment,
-    packing.py; a group larger than `size` is cut), segments of similar packed length share a micro-batch (longest
-    first), so padding is small. A function of the prompts and lengths only (deterministic)."""
-    segs = segments(batch.groups, idx, size)
-    segs.sort(key=lambda g: (-packed_len(batch.seqs, batch.prompt_lens, g), g[0]))
+def micro_batches(batch: Batch, idx: list[int], size: int, tokens: int = 0) -> list[list[int]]:
+    """Splits idx into micro-batches of at most `size` sequences, or with `tokens` > 0 of at most that many packed
+    tokens (prompts once per segment, responses, no padding) whatever their count: a prompt's samples stay
+    together (one segment, packing.py; a group larger than `size`, or than `tokens`, is cut; a sequence longer than
+    `tokens` is a micro-batch alone), segments of similar packed length share a micro-batch (longest first), so
+    padding is small. A function of the prompts and lengths only (deterministic)."""
+    if tokens > 0:
+        segs = token_segments(batch.groups, batch.seqs, batch.prompt_lens, idx, tokens)
+    else:
+        segs = segments(batch.groups, idx, size)
+    lens = {g[0]: packed_len(batch.seqs, batch.prompt_lens, g) for g in segs}
+    segs.sort(key=lambda g: (-lens[g[0]], g[0]))
+    cost, cap = (lambda g: lens[g[0]], tokens) if tokens > 0 else (len, size)
     out: list[list[int]] = []
+    used: list[int] = []
     for g in segs:
-        if out and len(out[-1]) + len(g) <= size:
+        if out and used[-1] + cost(g) <= cap:
             out[-1] = out[-1] + g
+            used[-1] += cost(g)
         else:
             out.append(list(g))
+            used.append(cost(g))
     return out
 
 
@@ -98,13 +108,13 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
 
 
 def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False,
-                     idx: list[int] | None = None) -> torch.Tensor:
+                     idx: list[int] | None = None, tokens: int = 0) -> torch.Tensor:
     """Logprobs without a graph (old or reference logprobs): [B, T] of the whole batch, or [len(idx), T] of the
-    sequences idx."""
+    sequences idx, in micro-batches of `micro` sequences or `tokens` packed tokens (`micro_batches`)."""
     idx = list(range(len(batch))) if idx is None else list(idx)
     pos = {i: k for k, i in enumerate(idx)}
     out = torch.zeros(len(idx), batch.mask.shape[1])
     with torch.inference_mode():
-        for ids in micro_batches(batch, idx, micro):
+        for ids in micro_batches(batch, idx, micro, tokens):
             out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
     return out

@@ -50,6 +50,26 @@ def segments(groups: list[int], idx: list[int], size: int) -> list[list[int]]:
     return [g[k : k + size] for g in by.values() for k in range(0, len(g), size)]
 
 
+def token_segments(groups: list[int], seqs: list[list[int]], prompt_lens: list[int], idx: list[int],
+                   budget: int) -> list[list[int]]:
+    """idx's sequences by group (as `segments`), each group cut, in index order, into pieces whose packed length
+    (the prompt once, then each member's response inputs) is at most `budget`; a sequence longer than the budget
+    on its own is a piece alone (a sequence is never split)."""
+    out: list[list[int]] = []
+    for g in segments(groups, idx, max(len(idx), 1)):
+        p = prompt_lens[g[0]]
+        piece, used = [], p
+        for i in g:
+            n = max(len(seqs[i]) - p - 1, 0)
+            if piece and used + n > budget:
+                out.append(piece)
+                piece, used = [], p
+            piece.append(i)
+            used += n
+        out.append(piece)
+    return out
+
+
 def packed_len(seqs: list[list[int]], prompt_lens: list[int], seg: list[int]) -> int:
     p = prompt_lens[seg[0]]
     return p + sum(max(len(seqs[i]) - p - 1, 0) for i in seg)

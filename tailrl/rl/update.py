@@ -80,10 +80,12 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     if len(minis) > 1:
         need = [i for i in live_rows if i not in first]
         if need:
-            old[need] = no_grad_logprobs(policy, batch, a.micro_batch_size, temperature, autocast, need)
+            old[need] = no_grad_logprobs(policy, batch, a.micro_batch_size, temperature, autocast, need,
+                                         a.micro_batch_tokens)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref_lp = no_grad_logprobs(ref, batch, a.micro_batch_size, temperature, autocast) if ref is not None else None
+    ref_lp = (no_grad_logprobs(ref, batch, a.micro_batch_size, temperature, autocast, tokens=a.micro_batch_tokens)
+              if ref is not None else None)
     timing["timing_s/ref"] = time.perf_counter() - t
     t = time.perf_counter()
     prec.train()
@@ -97,7 +99,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         optimizer.zero_grad(set_to_none=True)
         prec.zero_grad()
         step = dict.fromkeys(sums, 0.0)
-        for micro in micro_batches(batch, rows, a.micro_batch_size):
+        for micro in micro_batches(batch, rows, a.micro_batch_size, a.micro_batch_tokens):
             m = mask[micro].to(policy.device)
             logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
             computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
