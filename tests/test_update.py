@@ -257,6 +257,16 @@ def test_token_budget_micro_batches_fit_the_budget_and_keep_groups_together():
         if 3 not in members and packed_len(batch.seqs, batch.prompt_lens, members) <= budget:
             assert sum(set(members) <= set(m) for m in micros) == 1, g
     assert micro_batches(batch, idx, 3) == micro_batches(batch, idx, 3, tokens=0)  # 0: by sequence count
+    # a group past a small budget: cut in index order into maximal pieces that fit
+    from tailrl.rl.packing import token_segments
+
+    pieces = token_segments(batch.groups, batch.seqs, batch.prompt_lens, idx, 40)
+    assert [i for p in pieces for i in p] == sorted(idx, key=lambda i: (batch.groups[i], i)) and len(pieces) > 8
+    for a, b in zip(pieces, pieces[1:]):
+        assert len(a) == 1 or packed_len(batch.seqs, batch.prompt_lens, a) <= 40
+        if batch.groups[a[0]] == batch.groups[b[0]]:  # the next member did not fit
+            assert packed_len(batch.seqs, batch.prompt_lens, a + b[:1]) > 40
+    assert any(len(p) > 1 for p in pieces)
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
