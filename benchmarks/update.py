@@ -1,7 +1,8 @@
 """The policy update's throughput: the old path (one padded full-logits forward per micro-batch, [B, T, V] fp32
 log-softmax), the path `separate` (one row per sequence in length-grouped micro-batches, chunked LM head over
 response tokens only) and the path `new` (`separate`, but a prompt's samples share one copy of the prompt:
-rl/packing.py), on SmolLM2-135M with a GRPO-shaped batch, side by side in one run. Precisions: fp32; bf16 autocast over the
+rl/packing.py), and the path `tokens` (`new` with micro-batches by `--micro-tokens` packed tokens,
+`algo.micro_batch_tokens`, instead of `--micro` sequences), on SmolLM2-135M with a GRPO-shaped batch, side by side in one run. Precisions: fp32; bf16 autocast over the
 fp32 weights; a bf16 compute copy with fp32 master weights and fp32 Adam (rl/precision.py; new path only).
 
 The batch: `--prompts` prompts of `--prompt-len` tokens x `--n` samples, responses of `--resp` tokens (uniform, fixed
@@ -12,6 +13,7 @@ and optimizer state; variants are interleaved per repeat so that load from other
 Prints tokens/s (prompt + response tokens through forward and backward) and the ratio to the old fp32 path.
 
     .venv/bin/python benchmarks/update.py [--prompts 4 --n 8 --micro 8 --repeats 2] [--variants separate-autocast,new-autocast]
+    .venv/bin/python benchmarks/update.py --variants new-bfloat16,tokens-bfloat16 --micro-tokens 4096
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.forward import autocast_ctx, make_batch
+from tailrl.rl.forward import autocast_ctx, make_batch, micro_batches
 from tailrl.rl.packing import packed_tokens
 from tailrl.rl.precision import Precision
 from tailrl.rl.update import policy_update
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--micro-tokens", type=int, default=4096, help="the `tokens` path's micro-batch budget")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-len", type=span, default=(50, 70))
     ap.add_argument("--resp", type=span, default=(30, 200))
@@ -103,8 +106,11 @@ def main() -> None:
     shared = packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, list(range(B)))
     print(f"batch: {B} sequences, {batch.tokens} tokens ({resp} response; {shared} with shared prompts), longest "
           f"{max(map(len, batch.seqs))}, "
-          f"micro-batch {args.micro}; threads {torch.get_num_threads()}")
-    fns = {"old": old_update, "separate": separate_update, "new": new_update}
+          f"micro-batch {args.micro} sequences (path tokens: {args.micro_tokens} tokens); threads {torch.get_num_threads()}")
+    every = list(range(B))
+    print(f"micro-batches: {len(micro_batches(batch, every, args.micro))} of up to {args.micro} sequences, or "
+          f"{len(micro_batches(batch, every, args.micro, args.micro_tokens))} of up to {args.micro_tokens} tokens")
+    fns = {"old": old_update, "separate": separate_update, "new": new_update, "tokens": new_update}
     print("variants are interleaved; each starts from the same weights and a fresh AdamW")
     variants = args.variants.split(",")
     times = {v: [] for v in variants}
@@ -117,7 +123,9 @@ def main() -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99))
             b = batch if rep else warm
             t = time.perf_counter()
-            fns[path](model, opt, b, adv[: len(b)], AlgoCfg(mini_batch_size=len(b), micro_batch_size=args.micro), 1.0, dt)
+            algo = AlgoCfg(mini_batch_size=len(b), micro_batch_size=args.micro,
+                           micro_batch_tokens=args.micro_tokens if path == "tokens" else 0)
+            fns[path](model, opt, b, adv[: len(b)], algo, 1.0, dt)
             if rep:
                 times[v].append(time.perf_counter() - t)
             print(f"  repeat {rep} {v}: {time.perf_counter() - t:.1f}s", flush=True)
