@@ -14,6 +14,7 @@ Prints tokens/s (prompt + response tokens through forward and backward) and the 
 
     .venv/bin/python benchmarks/update.py [--prompts 4 --n 8 --micro 8 --repeats 2] [--variants separate-autocast,new-autocast]
     .venv/bin/python benchmarks/update.py --variants new-bfloat16,tokens-bfloat16 --micro-tokens 4096
+    .venv/bin/python benchmarks/update.py --device cuda --peak-tflops 989 --prompts 16 --n 16 --variants new-bfloat16,tokens-bfloat16
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def old_update(policy, optimizer, batch, adv, algo, temperature: float, mode: st
     """Today's path before issue 13: micro-batches in order, padded to the batch's longest sequence, the LM head
     over every position from the shortest prompt on, log-softmax over [b, T, V] in fp32."""
     L = max(len(s) for s in batch.seqs)
-    tokens = torch.tensor([s + [batch.pad] * (L - len(s)) for s in batch.seqs])
+    tokens = torch.tensor([s + [batch.pad] * (L - len(s)) for s in batch.seqs], device=policy.device)
     targets = tokens[:, batch.start + 1 :]
     optimizer.zero_grad(set_to_none=True)
-    B, mask = len(batch), batch.mask
+    B, mask, adv = len(batch), batch.mask.to(policy.device), adv.to(policy.device)
     for u0 in range(0, B, algo.micro_batch_size):
         idx = list(range(u0, min(u0 + algo.micro_batch_size, B)))
         with autocast_ctx(policy, mode == "autocast"):
@@ -90,18 +91,21 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--micro-tokens", type=int, default=4096, help="the `tokens` path's micro-batch budget")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="the device's bf16 peak (H100 SXM dense: 989): adds model FLOPs utilisation, 6 N tokens / s")
     ap.add_argument("--prompt-len", type=span, default=(50, 70))
     ap.add_argument("--resp", type=span, default=(30, 200))
     ap.add_argument("--variants", default="old-float32,old-autocast,new-float32,new-autocast,new-bfloat16")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, _ = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    model, _ = load_model("smollm2-135m", device=args.device, dtype=torch.float32)
     model.requires_grad_(True)
     batch = make_batch(fake_completions(model.config.vocab_size, args.prompts, args.n, plen=args.prompt_len,
                                     rlen=args.resp), pad=0)
     B = len(batch)
     # algo: one optimizer step over the whole batch (mini_batch_size = B), micro-batches of --micro sequences
-    adv = torch.randn(B, generator=torch.Generator().manual_seed(1))
+    adv = torch.randn(max(B, 4), generator=torch.Generator().manual_seed(1))  # the warm-up batch has 4
     resp = int(batch.mask.sum())
     shared = packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, list(range(B)))
     print(f"batch: {B} sequences, {batch.tokens} tokens ({resp} response; {shared} with shared prompts), longest "
@@ -130,14 +134,18 @@ def main() -> None:
                 times[v].append(time.perf_counter() - t)
             print(f"  repeat {rep} {v}: {time.perf_counter() - t:.1f}s", flush=True)
     base = min(times[variants[0]])
-    print(f"\n| path | dtype | update s (best of {args.repeats}) | batch tokens/s | vs {variants[0]} |")
-    print("|---|---|---|---|---|")
+    params = sum(p.numel() for p in model.parameters())
+    mfu = args.peak_tflops > 0
+    print(f"\n| path | dtype | update s (best of {args.repeats}) | batch tokens/s | vs {variants[0]} |"
+          + (" MFU (6 N x computed tokens) |" if mfu else ""))
+    print("|---|---|---|---|---|" + ("---|" if mfu else ""))
     for v in variants:
         best = min(times[v])
         path, dt = v.split("-")
         name = {"float32": "fp32", "autocast": "bf16 autocast", "bfloat16": "bf16 copy, fp32 master"}[dt]
-        print(f"| {path} | {name} | {best:.2f} | {batch.tokens / best:.0f} | "
-              f"{base / best:.2f}x |")
+        computed = batch.tokens if path == "old" else shared
+        print(f"| {path} | {name} | {best:.2f} | {batch.tokens / best:.0f} | {base / best:.2f}x |"
+              + (f" {6 * params * computed / best / (args.peak_tflops * 1e12):.1%} |" if mfu else ""))
 
 
 if __name__ == "__main__":
