@@ -39,10 +39,12 @@ import json
 import time
 from bisect import bisect_left
 
+from spec_rollout import QUESTIONS  # RL-like prompts: short answers, and a few that run long
+
 from tailrl.engine.buckets import BATCH_SIZES, TOKENS_PER_SEQ
 from tailrl.spec.step_cost import batch_bucket
 
-# (tokens in the pass, ms): the measured points, as (batch, k) -> ms
+# the measured points, (batch, k) -> ms of one pass
 SMOLLM2_POINTS = {(1, 1): 3.15, (1, 2): 3.15 * 1.11, (1, 4): 3.15 * 1.12, (1, 8): 3.15 * 1.14, (1, 16): 3.15 * 1.16,
                   (1, 32): 3.15 * 1.20, (4, 1): 3.41, (4, 2): 3.41 * 1.03, (4, 4): 3.41 * 1.07, (4, 8): 3.41 * 1.08,
                   (4, 16): 3.41 * 1.11, (4, 32): 3.41 * 1.15, (32, 1): 3.65, (32, 2): 3.65 * 1.14,
@@ -55,16 +57,6 @@ TABLES = {"smollm2-135m": SMOLLM2_POINTS, "qwen3-8b": QWEN3_8B_POINTS}
 HOST_OFF = {1: 5.42 - 3.10, 8: 5.60 - 3.33, 32: 5.63 - 3.55, 128: 7.85 - 4.12, 256: 8.61 - 4.72}
 HOST_SD = {1: 5.82 - 3.10, 8: 6.10 - 3.33, 32: 6.81 - 3.55, 128: 12.15 - 4.12, 256: 14.97 - 4.72}
 
-QUESTIONS = [
-    "What is 7 + 5? Give only the number after ####.",
-    "What is 9 * 6? Give only the number after ####.",
-    "Is 17 a prime number? Answer yes or no after ####.",
-    "What is 100 - 37? Give only the number after ####.",
-    "Tom has 12 apples and buys 3 bags with 4 apples each. How many apples does he have? Answer after ####.",
-    "What is (15 + 9) * 2 - 8? Explain briefly, then answer after ####.",
-    "A bus carries 40 people. How many buses are needed for 250 people? Explain, then answer after ####.",
-    "List the first 40 square numbers with a one-line note on each, then give their sum after ####.",
-]
 
 
 def curve(points: dict) -> list[tuple[int, float]]:

@@ -110,7 +110,8 @@ def main() -> None:
     shared = packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, list(range(B)))
     print(f"batch: {B} sequences, {batch.tokens} tokens ({resp} response; {shared} with shared prompts), longest "
           f"{max(map(len, batch.seqs))}, "
-          f"micro-batch {args.micro} sequences (path tokens: {args.micro_tokens} tokens); threads {torch.get_num_threads()}")
+          f"micro-batch {args.micro} sequences (path tokens: {args.micro_tokens} tokens); "
+          f"threads {torch.get_num_threads()}")
     every = list(range(B))
     print(f"micro-batches: {len(micro_batches(batch, every, args.micro))} of up to {args.micro} sequences, or "
           f"{len(micro_batches(batch, every, args.micro, args.micro_tokens))} of up to {args.micro_tokens} tokens")

@@ -48,7 +48,8 @@ def test_warp_equals_eager_warped_logprobs(top_k, top_p):
 
 def test_keys_equal_row_keys():
     rng = random.Random(0)
-    seeds = [rng.choice([0, 1, -1, 2**63 - 1, -(2**63)]) for _ in range(20)] + [rng.getrandbits(64) - 2**63 for _ in range(80)]
+    seeds = [rng.choice([0, 1, -1, 2**63 - 1, -(2**63)]) for _ in range(20)]
+    seeds += [rng.getrandbits(64) - 2**63 for _ in range(80)]
     positions = [rng.randrange(0, 5000) for _ in range(100)]
     got = graph_keys(torch.tensor(seeds), torch.tensor(positions))
     assert same(got, row_keys(seeds, positions))
@@ -154,7 +155,8 @@ def test_decide_equals_eager_decide(chains):
         want = decide(logits, seqs, trees, q_lens, depths)
         buf = SamplingBuffers(16, "cpu")
         buf.fill(seqs)
-        assert same(buf.emitted[:13], positions[:13, 0]) and same(buf.greedy[:13], torch.tensor([s.params.greedy for s in seqs]))
+        assert same(buf.emitted[:13], positions[:13, 0])
+        assert same(buf.greedy[:13], torch.tensor([s.params.greedy for s in seqs]))
         packed = graph_decide(grid, ids, parents, torch.tensor(q_lens + [1] * 3), buf.temps, buf.top_k, buf.top_p,
                               buf.greedy, buf.seeds, positions, rows=32)
         got = verdicts(packed, len(seqs))
