@@ -96,3 +96,20 @@ def test_warping_in_row_blocks_equals_one_block():
     params.append(SamplingParams())
     wt = warp_tensors(params, "cpu")
     assert torch.equal(warped_logprobs(logits, *wt, rows=8), _warp(logits, *wt))
+
+
+def test_a_row_without_top_p_is_not_cut_beside_rows_with_it():
+    """top-p warps the whole batch once any row uses it; a row with top_p = 1 must keep every token, as alone (the
+    cumulative mass reaches 1.0 by rounding before the last tokens: they were cut, so the row's distribution
+    depended on its batch-mates)."""
+    from tailrl.engine.sampler import warped_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(8, 4096, generator=g)
+    temps = torch.ones(8)
+    top_p = torch.tensor([0.9, 1.0] * 4)
+    mixed = warped_logprobs(logits, temps, None, top_p)
+    alone = warped_logprobs(logits[1::2], temps[1::2], None, None)
+    assert torch.isfinite(mixed[1::2]).all()
+    assert torch.equal(mixed[1::2], alone)
+    assert torch.isinf(mixed[0::2]).any()  # the top-p rows are still cut

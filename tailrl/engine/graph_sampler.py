@@ -50,7 +50,7 @@ def _warp(logits, temps, top_k, top_p):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p.unsqueeze(-1)
+        drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)  # top_p=1: keep all
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.log_softmax(x, dim=-1)

@@ -116,9 +116,13 @@ def _sampler_rows(device) -> list[str]:
     logits = (3 * torch.randn(40, 4096, generator=g)).to(device)
     temps = torch.linspace(0.5, 1.5, 40, device=device)
     top_p = torch.full((40,), 0.9, device=device)
+    top_p[36] = 1.0  # a row without top-p beside rows with it
     alone = warped_logprobs(logits[35:36], temps[35:36], None, top_p[35:36])
-    if not torch.equal(warped_logprobs(logits, temps, None, top_p)[35:36], alone):
+    batch = warped_logprobs(logits, temps, None, top_p)
+    if not torch.equal(batch[35:36], alone):
         return ["sampler: a row's warped logprobs differ inside a batch"]
+    if not torch.equal(batch[36:37], warped_logprobs(logits[36:37], temps[36:37], None, None)):
+        return ["sampler: a row without top-p is cut beside rows with it"]
     return []
 
 

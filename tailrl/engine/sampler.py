@@ -52,7 +52,7 @@ def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None,
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
-        drop_sorted = mass_before >= top_p.unsqueeze(-1)
+        drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)  # top_p=1: keep all
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.log_softmax(x, dim=-1)
