@@ -70,6 +70,9 @@ def _linear_rows(model: CausalLM) -> list[str]:
         passes = {"alone in its tile": ref, "among other rows": tiled_linear(mod, x, ROW_TILE)[:1],
                   "at the end of its tile": tiled_linear(mod, torch.cat([x[1:ROW_TILE], x[:1]]), ROW_TILE)[-1:],
                   "in a pass of 6 tiles": tiled_linear(mod, torch.cat([x[1:], x[:1]]), ROW_TILE)[-1:]}
+        if mod.out_features <= 8192:  # a layer's products (not the LM head: costly) also at a verify pass's 17 tiles
+            wide = torch.cat([x[1:], x[1:], x[1:], x[1:26], x[:1]])  # 272 rows
+            passes["in a pass of 17 tiles"] = tiled_linear(mod, wide, ROW_TILE)[-1:]
         for where, y in passes.items():
             if not torch.equal(y, ref):
                 failed.append(f"linear {mod.in_features}->{mod.out_features} ({name}): a row's product differs "
