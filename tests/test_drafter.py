@@ -306,12 +306,8 @@ def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
                 return
             results.append((in_rollout.is_set(), spot.pause(wait=True, timeout=10)))
 
-    th = threading.Thread(target=pauser)
-    rollouts = 0
-    try:
-        lender.begin_step(1, 1000.0)
-        th.start()
-        while th.is_alive() and rollouts < 500:  # rollouts until the 5 pauses are done
+    def rollouts():  # rollouts until the 5 pauses are done; a hang here leaves the thread alive, failing the test
+        while pausing.is_alive() and len(outs) < 500:
             col = eng.collector(eng.add_requests(prompts, params))
             in_rollout.set()
             try:
@@ -322,12 +318,20 @@ def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
             finally:
                 in_rollout.clear()
                 lender.stop()
-            outs = col.result()
-            rollouts += 1
-            assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-        th.join(30)
-        assert not th.is_alive() and len(results) == 5, (rollouts, results)
-        assert all(ok for _, ok in results) and any(mid for mid, _ in results), results
+            outs.append([o.token_ids for o in col.result()])
+
+    outs: list = []
+    pausing = threading.Thread(target=pauser, daemon=True)
+    rolling = threading.Thread(target=rollouts, daemon=True)
+    try:
+        lender.begin_step(1, 1000.0)
+        pausing.start()
+        rolling.start()
+        pausing.join(300)
+        rolling.join(120)
+        assert not pausing.is_alive() and not rolling.is_alive(), "a pause or a rollout hung"
+        assert len(results) == 5 and all(ok for _, ok in results) and any(mid for mid, _ in results), results
+        assert outs and all(o == [c.token_ids for c in plain] for o in outs)
     finally:
         spot.close()
         torch.set_num_threads(threads)
