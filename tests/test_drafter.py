@@ -61,8 +61,9 @@ def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):
 def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
     """Greedy decoding with learned drafts verified equals plain decoding, two epochs. auto: what the selector
     would choose depends on measured step times (it once decoded plainly throughout), so its choice is forced in
-    turn through plain decoding and every arm of the learned and merged drafters; then each epoch verifies learned
-    drafts, and the second epoch's merged drafts carry the history's matches, which are accepted."""
+    turn, from each epoch's first step, through every arm of the learned and merged drafters and plain decoding;
+    then each epoch verifies learned drafts, and the second epoch's merged drafts carry the history's matches,
+    which are accepted."""
     model, tok = smollm
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
@@ -70,14 +71,16 @@ def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
     spec = SpecConfig(mode=mode, epsilon=0.3)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=spec),
                  make_speculator(spec, LearnedDrafter(head, DrafterConfig(topk=3))))
-    names = ["learned"]
+    names, selector = ["learned"], eng.speculator.selector
     if mode == "auto":  # auto offers the learned and merged drafters to the selector next to the model-free ones
-        selector = eng.speculator.selector
         assert {"learned", "history+learned"} <= {a.drafter for a in selector.arms}
         names.append("history+learned")
-        turn = itertools.cycle([a for a in selector.arms if a.drafter in names or a.drafter == ""])
-        selector.choose = lambda batch: next(turn)
+        arms = [[a for a in selector.arms if a.drafter == name] for name in ("learned", "history+learned", "")]
+        turns = [a for step in itertools.zip_longest(*arms) for a in step if a is not None]
     for _ in range(2):
+        if mode == "auto":  # each epoch: learned:1, history+learned:1, off, learned:2, ... (an epoch takes 2+ steps)
+            turn = itertools.cycle(turns)
+            selector.choose = lambda batch: next(turn)
         outs = eng.generate(CHATS, params)
         for ref, out in zip(plain, outs):
             assert_same_or_tie(model, ref, out, params, 1e-5)
