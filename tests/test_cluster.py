@@ -11,15 +11,51 @@ from tailrl.cluster.placement import (LengthPredictor, Unit, length_metrics, lpt
                                       split_units, static_split)
 
 
+def optimal_makespan(works: list[float], W: int) -> float:
+    """The least largest load over all assignments of works to W workers (branch and bound; small cases only)."""
+    works, loads, best = sorted(works, reverse=True), [0.0] * W, [sum(works)]
+
+    def place_from(i: int) -> None:
+        if i == len(works):
+            best[0] = min(best[0], max(loads))
+            return
+        for k in range(W):
+            if loads[k] in loads[:k] or loads[k] + works[i] >= best[0]:  # a worker loaded like an earlier one: same
+                continue
+            loads[k] += works[i]
+            place_from(i + 1)
+            loads[k] -= works[i]
+
+    place_from(0)
+    return best[0]
+
+
+def lpt_makespan(works: list[float], W: int) -> float:
+    where = lpt(works, W)
+    return max(sum(w for w, k in zip(works, where) if k == i) for i in range(W))
+
+
 def test_lpt_within_grahams_bound():
+    """Graham (1969): LPT's largest load is at most (4/3 - 1/(3W)) times the optimum, which is found by brute force
+    here. 4 equal jobs over 3 workers (LPT = OPT = 2, above 4/3 of the averaged lower bound) and Graham's tight case
+    (2W+1 jobs: LPT = 4W - 1 against OPT = 3W) are among the cases."""
     rng = random.Random(0)
-    for _ in range(50):
-        works = [rng.choice([1, 2, 3, 50, 400]) * rng.random() for _ in range(rng.randint(1, 40))]
-        W = rng.randint(1, 8)
+    cases = [([1.0] * 4, 3)]
+    for W in (2, 3):  # jobs 2W-1, 2W-1, 2W-2, 2W-2, ..., W+1, W+1, W, W, W
+        cases.append(([float(j) for j in range(2 * W - 1, W, -1) for _ in range(2)] + [float(W)] * 3, W))
+    for _ in range(40):
+        n = rng.randint(1, 9)
+        works = [float(rng.randint(1, 12)) for _ in range(n)] if rng.random() < 0.5 else \
+            [rng.choice([1, 2, 3, 50, 400]) * rng.random() for _ in range(n)]
+        cases.append((works, rng.randint(1, 4)))
+    for works, W in cases:
         where = lpt(works, W)
-        loads = [sum(w for w, k in zip(works, where) if k == i) for i in range(W)]
-        lower = max(max(works), sum(works) / W)  # no assignment beats this
-        assert max(loads) <= (4 / 3) * lower + 1e-9 or max(loads) == pytest.approx(max(works))
+        assert set(where) <= set(range(W))
+        opt = optimal_makespan(works, W)
+        assert opt - 1e-9 <= lpt_makespan(works, W) <= (4 / 3 - 1 / (3 * W)) * opt + 1e-9, (works, W, opt)
+    assert lpt_makespan(*cases[0]) == 2.0
+    for works, W in cases[1:3]:  # Graham's tight case: LPT meets the bound
+        assert lpt_makespan(works, W) == 4 * W - 1 and optimal_makespan(works, W) == 3 * W
 
 
 def test_place_covers_every_sample_once_and_runs_longest_first():

@@ -57,8 +57,11 @@ def same(a, b, model=None, plist=None) -> None:
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode,epochs", [("off", 1), ("auto", 2)])
+@pytest.mark.parametrize("mode,epochs", [("off", 1), ("history", 2)])
 def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
+    """With speculation, the history drafter is forced (auto's choice depends on step times and may decode plainly
+    throughout): the workers' second epoch drafts from the first one's responses and accepts, while each reference
+    engine is new (no history), so speculative workers are compared with an engine that drafted little."""
     folder, model, tok = tiny
     cr = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg(mode), threads=1), 2,
                         ClusterConfig(round_steps=3, round_s=60.0), CPU)  # rounds end by step count, not by wall time under load
@@ -68,6 +71,13 @@ def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
                 ref = Engine(model, tok, engine_cfg(mode)).generate(PROMPTS, params(greedy))
                 out = cr.generate(PROMPTS, params(greedy))
                 same(ref, out, model, params(greedy))
+                drafts = out.stats.drafters.get("history", {})
+                if mode == "off":
+                    assert not drafts
+                elif epoch == 1:
+                    assert drafts["drafted"] > 0 and drafts["accepted"] > 0, drafts
+                    if greedy:  # the first epoch's greedy responses, drafted again
+                        assert drafts["accepted"] > ref.stats.drafters.get("history", {}).get("accepted", 0), drafts
         assert cr.metrics["cluster/worker_failures"] == 0
         assert out.stats.generated_tokens == sum(len(c.token_ids) for c in out)
     finally:

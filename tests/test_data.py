@@ -34,15 +34,16 @@ def test_a_dataset_without_usable_rows_is_an_error(tmp_path):
 
 
 def test_loader_reshuffles_per_epoch_and_resumes():
-    a = Loader(5, seed=1)
-    first = a.next(7)
-    assert sorted(first[:5]) == list(range(5))
-    b = Loader(5, seed=1)
-    b.next(3)
-    state = b.state_dict()
-    c = Loader(5, seed=1)
-    c.load_state_dict(state)
-    assert c.next(4) == first[3:7]
+    a = Loader(8, seed=1)
+    first = a.next(24)
+    epochs = [first[:8], first[8:16], first[16:]]
+    assert all(sorted(e) == list(range(8)) for e in epochs)  # each epoch is a permutation of the examples
+    assert len({tuple(e) for e in epochs}) == 3  # in an order of its own
+    b = Loader(8, seed=1)
+    b.next(11)  # into the second epoch
+    c = Loader(8, seed=1)
+    c.load_state_dict(b.state_dict())
+    assert c.next(9) == first[11:20]  # resumes mid-epoch, and the third epoch's order is the one a run would draw
 
 
 def test_builtin_eval_prompts_are_held_out_and_distinct(monkeypatch):

@@ -1,3 +1,4 @@
+import itertools
 import json
 import random
 import threading
@@ -58,6 +59,11 @@ def test_sampling_with_learned_drafts_follows_the_policy(tiny_peaked):
 
 @pytest.mark.parametrize("mode", ["learned", "auto"])
 def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
+    """Greedy decoding with learned drafts verified equals plain decoding, two epochs. auto: what the selector
+    would choose depends on measured step times (it once decoded plainly throughout), so its choice is forced in
+    turn, from each epoch's first step, through every arm of the learned and merged drafters and plain decoding;
+    then each epoch verifies learned drafts, and the second epoch's merged drafts carry the history's matches,
+    which are accepted."""
     model, tok = smollm
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
@@ -65,14 +71,23 @@ def test_greedy_with_learned_drafts_equals_plain_decoding(smollm, mode):
     spec = SpecConfig(mode=mode, epsilon=0.3)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=spec),
                  make_speculator(spec, LearnedDrafter(head, DrafterConfig(topk=3))))
+    names, selector = ["learned"], eng.speculator.selector
+    if mode == "auto":  # auto offers the learned and merged drafters to the selector next to the model-free ones
+        assert {"learned", "history+learned"} <= {a.drafter for a in selector.arms}
+        names.append("history+learned")
+        arms = [[a for a in selector.arms if a.drafter == name] for name in ("learned", "history+learned", "")]
+        turns = [a for step in itertools.zip_longest(*arms) for a in step if a is not None]
     for _ in range(2):
+        if mode == "auto":  # each epoch: learned:1, history+learned:1, off, learned:2, ... (an epoch takes 2+ steps)
+            turn = itertools.cycle(turns)
+            selector.choose = lambda batch: next(turn)
         outs = eng.generate(CHATS, params)
         for ref, out in zip(plain, outs):
             assert_same_or_tie(model, ref, out, params, 1e-5)
-    if mode == "learned":
-        assert sum(o.stats.get("drafted/learned", 0) for o in outs) > 0
-    else:  # auto offers the learned and merged drafters to the selector next to the model-free ones
-        assert {"learned", "history+learned"} <= {a.drafter for a in eng.speculator.selector.arms}
+        for name in names:
+            assert outs.stats.drafters.get(name, {}).get("drafted", 0) > 0, f"no {name} drafts verified"
+    if mode == "auto":
+        assert outs.stats.drafters["history+learned"]["accepted"] > 0
 
 
 def test_engine_captures_the_target_hidden_states(smollm):
@@ -121,9 +136,20 @@ def _tiny_buffer(model, tok, steps=(0, 1)) -> DraftBuffer:
     return buffer
 
 
+def wait_for(cond, timeout: float = 120.0) -> bool:
+    """Polls cond until it holds; the timeout only keeps a broken implementation from hanging the suite."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(cond())
+
+
 def test_spot_training_pauses_promptly_and_never_touches_a_running_rollout(tiny_lm):
+    """The spot trainer trains while a rollout drafts from the engine's head; a pause that lands in the first
+    micro-batch of a step (of several) is acknowledged after that micro-batch: no further micro-batch runs, the
+    partly accumulated step is dropped, and nothing trains after pause(wait=True) returns."""
     model, tok = tiny_lm
-    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0)
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0, spot_micro_tokens=16)
     head = EagleDrafter(model.config).bind(model)
     trainer = DrafterTrainer(head, cfg, buffer=_tiny_buffer(model, None))
     spot = SpotTrainer(trainer, cfg)
@@ -134,18 +160,29 @@ def test_spot_training_pauses_promptly_and_never_touches_a_running_rollout(tiny_
     plain = Engine(model, None, EngineConfig(kv_cache_gb=0.2)).generate(prompts, params)
     spec = SpecConfig(mode="learned")
     eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=spec), make_speculator(spec, LearnedDrafter(head, cfg)))
+    rollout_done, paused = threading.Event(), threading.Event()
+    seen = {"micro": 0, "step": -1}
+
+    def pause_in_a_step(module, args):  # runs in the trainer's thread at the start of each micro-batch's forward
+        seen["micro"] += 1
+        first, seen["step"] = trainer.steps != seen["step"], trainer.steps
+        if first and rollout_done.is_set() and not paused.is_set():
+            spot.pause(wait=False)
+            seen["at"] = (seen["micro"], trainer.steps)
+            paused.set()
+
+    trainer.model.register_forward_pre_hook(pause_in_a_step)
     try:
         assert spot.resume()
         outs = eng.generate(prompts, params)  # drafting from `head` while the trainer updates its own copy
+        rollout_done.set()
+        assert paused.wait(120) and spot.pause(wait=True, timeout=120)
+        micro, steps = seen["at"]
+        assert steps > 0 and sum(s.train_positions for s in trainer.buffer.items) > 2 * 16  # steps of several micro-batches
+        assert seen["micro"] == micro, "a micro-batch ran after the pause"
+        assert trainer.steps == steps, "the step in progress at the pause was not dropped"
         time.sleep(0.3)
-        t = time.perf_counter()
-        assert spot.pause(wait=True, timeout=10)
-        waited = time.perf_counter() - t
-        steps = trainer.steps
-        time.sleep(0.3)
-        assert trainer.steps == steps, "the spot trainer kept training after pause()"
-        assert steps > 0
-        assert waited < 5.0, f"pause took {waited:.2f}s"
+        assert (seen["micro"], trainer.steps) == (micro, steps), "the spot trainer kept training after pause()"
     finally:
         spot.close()
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -155,23 +192,21 @@ def test_spot_training_pauses_promptly_and_never_touches_a_running_rollout(tiny_
 
 
 def test_spot_trainer_respects_its_time_share(tiny_lm):
+    """A clock in which each optimizer step takes 0.25 s: a share of 1 s (0.1 of a 10 s RL step) is 4 steps, the
+    trainer stops before a fifth would run over it, and the next RL step brings a new share."""
     model, _ = tiny_lm
-    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=0.01)
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=0.1)
     trainer = DrafterTrainer(EagleDrafter(model.config).bind(model), cfg, buffer=_tiny_buffer(model, None))
-    spot = SpotTrainer(trainer, cfg)
-    spot.begin_step(1, last_step_s=10.0)  # 0.1 s of training allowed this step
+    spot = SpotTrainer(trainer, cfg, clock=lambda: 0.25 * trainer.steps)
+    spot.begin_step(1, last_step_s=10.0)
     try:
-        spot.resume()
-        deadline = time.time() + 20
-        while spot.running and time.time() < deadline:
-            time.sleep(0.05)
-        assert not spot.running, "the spot trainer did not stop at its share"
-        assert trainer.steps >= 1
-        # it stops before a step that would run over the share (the first step is taken blind)
-        assert spot.used_s <= max(0.1, spot.last_step_s) * 1.5 + 0.2, (spot.used_s, spot.last_step_s)
+        assert spot.resume()
+        assert wait_for(lambda: not spot.running), "the spot trainer did not stop at its share"
+        assert trainer.steps == 4 and spot.steps_this_rl_step == 4 and spot.used_s == 1.0, (trainer.steps, spot.used_s)
         assert not spot.resume(), "the share is spent until the next step"
         spot.begin_step(2, last_step_s=10.0)
-        assert spot.resume() or spot.last_step_s > 0.1, "a new step brings a new share"
+        assert spot.resume(), "a new step brings a new share"
+        assert wait_for(lambda: not spot.running) and trainer.steps == 8 and spot.used_s == 1.0
     finally:
         spot.close()
 
@@ -248,24 +283,61 @@ def test_drafter_config_errors_name_the_problem():
 
 
 def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
-    """The engine hook path: pause from another thread while the trainer runs never hangs."""
+    """The engine hook path (rl/trainer.py's rollout): a rollout steps the engine and lends the long tail to the spot
+    trainer, while another thread pauses the trainer 5 times, each while a micro-batch runs. No pause hangs, and
+    the rollouts finish with the tokens of plain decoding."""
+    from tailrl.drafter.train import SpotLender
+
     model, _ = tiny_lm
-    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0)
-    trainer = DrafterTrainer(EagleDrafter(model.config).bind(model), cfg, buffer=_tiny_buffer(model, None))
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=1.0, spot_micro_tokens=16)
+    head = EagleDrafter(model.config).bind(model)
+    trainer = DrafterTrainer(head, cfg, buffer=_tiny_buffer(model, None))
     spot = SpotTrainer(trainer, cfg)
-    spot.begin_step(1, 1000.0)
-    try:
-        results = []
+    threads = torch.get_num_threads()
+    lender = SpotLender(spot, trainer.buffer, cfg, tail_batch=64, threads=max(threads, 2))
+    prompts, params = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
+    plain = Engine(model, None, EngineConfig(kv_cache_gb=0.2)).generate(prompts, params)
+    spec = SpecConfig(mode="learned")
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, spec=spec), make_speculator(spec, LearnedDrafter(head, cfg)))
+    in_rollout, results, started = threading.Event(), [], [0]
+    trainer.model.register_forward_pre_hook(lambda module, args: started.__setitem__(0, started[0] + 1))
+
+    def pauser():  # each pause once a micro-batch has begun since the last one
         for _ in range(5):
-            spot.resume()
-            time.sleep(0.05)
-            th = threading.Thread(target=lambda: results.append(spot.pause(wait=True, timeout=10)))
-            th.start()
-            th.join(15)
-            assert not th.is_alive()
-        assert all(results)
+            mark = started[0]
+            if not wait_for(lambda: spot.running and started[0] > mark):
+                return
+            results.append((in_rollout.is_set(), spot.pause(wait=True, timeout=10)))
+
+    def rollouts():  # rollouts until the 5 pauses are done; a hang here leaves the thread alive, failing the test
+        while pausing.is_alive() and len(outs) < 500:
+            col = eng.collector(eng.add_requests(prompts, params))
+            in_rollout.set()
+            try:
+                while eng.has_work():
+                    out = eng.step()
+                    col.add(out)
+                    lender.on_engine_step(eng.num_running, out.finished)
+            finally:
+                in_rollout.clear()
+                lender.stop()
+            outs.append([o.token_ids for o in col.result()])
+
+    outs: list = []
+    pausing = threading.Thread(target=pauser, daemon=True)
+    rolling = threading.Thread(target=rollouts, daemon=True)
+    try:
+        lender.begin_step(1, 1000.0)
+        pausing.start()
+        rolling.start()
+        pausing.join(300)
+        rolling.join(120)
+        assert not pausing.is_alive() and not rolling.is_alive(), "a pause or a rollout hung"
+        assert len(results) == 5 and all(ok for _, ok in results) and any(mid for mid, _ in results), results
+        assert outs and all(o == [c.token_ids for c in plain] for o in outs)
     finally:
         spot.close()
+        torch.set_num_threads(threads)
 
 
 def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):

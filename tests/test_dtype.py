@@ -44,8 +44,10 @@ def test_bf16_engine_beside_fp32_master(tiny_chat, task_file, tmp_path):
         assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
         for name, p in trainer.policy.state_dict().items():  # the engine holds the master's weights, rounded
             assert torch.equal(engine.state_dict()[name], p.to(torch.bfloat16)), name
-        # engine (bf16) and trainer logprobs of the same tokens differ by rounding, not by a wrong distribution
-        assert 0 < m["rollout/logprob_diff"] <= m["rollout/logprob_diff_max"] < 0.5
+        # engine (bf16) and trainer (bf16 copy) logprobs of the same tokens differ by rounding (blocking), not by a
+        # wrong distribution: measured 7.6e-4 mean and 3.6e-3 max on this CPU (AVX-512 BF16); the bounds leave
+        # about 3x for other CPUs' bf16 kernels. A log-softmax rounded to bf16 on one side alone fails them.
+        assert 0 < m["rollout/logprob_diff"] < 2.5e-3 and m["rollout/logprob_diff"] <= m["rollout/logprob_diff_max"] < 1e-2
         assert m["perf/update_tokens_per_s"] > 0
     finally:
         trainer.close()

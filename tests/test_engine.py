@@ -57,7 +57,17 @@ def test_sampled_logprobs_equal_full_forward_recompute(engine):
 
 
 def test_n_samples_share_prefill_and_follow_their_seeds(engine):
-    group = engine.generate([CHATS[2]], SamplingParams(n=3, seed=11, max_tokens=12))
+    """The 3 samples of a prompt share one prefill (one pass over the prompt's tokens, from the step records); then
+    sample j follows its own seed: it equals the sample drawn alone with seed 11 + j."""
+    col = engine.collector(engine.add_requests([CHATS[2]], SamplingParams(n=3, seed=11, max_tokens=12)))
+    prefills = []
+    while engine.has_work():
+        out = engine.step()
+        col.add(out)
+        prefills += [(out.record.batch, out.record.tokens_in_pass)] if out.record.kind == "prefill" else []
+    engine.end_rollout(col.stats)
+    group = col.result()
+    assert prefills == [(1, len(engine.encode(CHATS[2])))]
     assert len({tuple(c.token_ids) for c in group}) > 1  # the samples are independent
     for j, c in enumerate(group):
         alone = engine.generate([CHATS[2]], SamplingParams(n=1, seed=11 + j, max_tokens=12))[0]

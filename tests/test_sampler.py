@@ -50,15 +50,24 @@ def test_gumbel_sampling_follows_the_distribution():
 
 
 def test_noise_depends_on_seed_and_position_only():
+    """A sampled row draws argmax(logp + noise) with the noise a function of its (seed, position) alone: rows 0 and 3
+    share (7, 0) and have other logits, so each is its own logits plus that same noise, in the batch or alone."""
+    from tailrl.spec.noise import gumbel, row_keys
+
     lp = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
 
-    def alone(seed, pos):
-        return sample(lp[[0]], [False], [seed], [pos])[0][0]
+    def alone(row, seed, pos):
+        return sample(lp[[row]], [False], [seed], [pos])[0][0]
 
-    batched, _ = sample(lp, [False] * 4, [7, 7, 8, 7], [0, 1, 0, 0])
-    assert batched[0] == alone(7, 0)  # in a batch or alone: the same token
-    assert len({alone(s, 0) for s in range(40)}) > 5  # seeds differ
-    assert len({alone(7, p) for p in range(40)}) > 5  # positions differ
+    lp[3] = lp[0].clone().index_fill_(0, torch.tensor(alone(0, 7, 0)), -math.inf)  # row 0's logits, its draw banned
+    seeds, positions = [7, 7, 8, 7], [0, 1, 0, 0]
+    batched, _ = sample(lp, [False] * 4, seeds, positions)
+    for r, (s, p) in enumerate(zip(seeds, positions)):
+        noise = gumbel(row_keys([s], [p]), 50)[0]
+        assert batched[r] == alone(r, s, p) == int((lp[r] + noise).argmax()), r
+    assert batched[3] != batched[0]  # the same noise over other logits: another token
+    assert len({alone(0, s, 0) for s in range(40)}) > 5  # seeds differ
+    assert len({alone(0, 7, p) for p in range(40)}) > 5  # positions differ
 
 
 def test_greedy_takes_argmax():

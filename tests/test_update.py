@@ -11,7 +11,7 @@ import torch
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.forward import make_batch, micro_batches, sequence_logprobs
+from tailrl.rl.forward import make_batch, micro_batches, no_grad_logprobs, sequence_logprobs
 from tailrl.rl.logprobs import head_logprobs
 from tailrl.rl.precision import Precision
 from tailrl.rl.update import mismatch, policy_update
@@ -115,6 +115,8 @@ def test_bf16_compute_keeps_fp32_master_and_refreshes_the_copy(tiny):
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(2))
     before = {n: p.detach().clone() for n, p in master.named_parameters()}
     algo = AlgoCfg(mini_batch_size=len(batch), micro_batch_size=3)
+    # the bf16 copy's logprobs before any step (the update's old logprobs: same micro-batches, same kernels)
+    expected = mismatch(no_grad_logprobs(prec.model, batch, 3, 1.0), batch.rollout_lp, batch.mask)
     metrics, why = policy_update(prec, opt, None, batch, adv, algo, 1.0, random.Random(0), {})
     assert why is None and metrics["perf/update_tokens_per_s"] > 0
     assert all(p.grad is None for p in prec.model.parameters())  # moved into the master, then dropped
@@ -122,21 +124,72 @@ def test_bf16_compute_keeps_fp32_master_and_refreshes_the_copy(tiny):
     assert moved and all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in master.parameters())
     for (n, p), c in zip(master.named_parameters(), prec.model.parameters()):
         assert torch.equal(c, p.to(torch.bfloat16)), n
-    # trainer (bf16) vs "engine" logprobs: the mismatch metrics see them
-    assert 0 < metrics["rollout/logprob_diff"] <= metrics["rollout/logprob_diff_max"]
+    # trainer (bf16) vs "engine" logprobs (a constant -2.0 here): the mismatch metrics are those of the bf16 copy
+    for key in ("rollout/logprob_diff", "rollout/logprob_diff_max"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6), key
 
 
-def test_truncated_importance_weights_multiply_each_tokens_loss():
+def test_policy_loss_multiplies_each_tokens_loss_by_its_weight():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     old, rollout = logp.detach(), torch.tensor([[-1.5, -1.0, -0.5]])
     mask, adv = torch.ones(1, 3), torch.tensor([1.0])
-    w = torch.exp(old - rollout).clamp(max=1.2)
-    assert w.tolist()[0] == pytest.approx([1.2, 0.3679, 1.0], abs=1e-4)
-    loss, _ = policy_loss(logp, old, adv, mask, weights=w)
+    loss, _ = policy_loss(logp, old, adv, mask, weights=torch.tensor([[1.2, 0.3, 1.0]]))
     plain, _ = policy_loss(logp, old, adv, mask)
-    assert float(loss.detach()) == pytest.approx(float((-w).mean())) and float(plain.detach()) == pytest.approx(-1.0)
+    assert float(loss.detach()) == pytest.approx(-2.5 / 3) and float(plain.detach()) == pytest.approx(-1.0)
     d = mismatch(old, rollout, mask)
     assert d["rollout/logprob_diff"] == pytest.approx(0.5) and d["rollout/logprob_diff_max"] == pytest.approx(1.0)
+
+
+class GradRecorder(torch.optim.Optimizer):
+    """An optimizer that keeps a copy of the gradients each step hands it and moves nothing."""
+
+    def __init__(self, params):
+        super().__init__(list(params), {})
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+
+
+# rollout ratios exp(old - rollout) given to the response tokens in turn, and the weights that a cap of 2 makes of
+# them: written out, so that neither a reversed ratio (0.5 -> 2, 4 -> 0.25) nor a missing cap (4 -> 4) passes
+TIS_RAW, TIS_WEIGHT, TIS_CAP = (0.5, 1.0, 1.5, 4.0), (0.5, 1.0, 1.5, 2.0), 2.0
+
+
+def test_update_weighs_each_tokens_loss_by_the_capped_rollout_ratio(tiny):
+    """policy_update with algo.tis_cap: the rollout logprobs sit below/above the trainer's by known amounts, so each
+    token's weight is known; the loss, the gradient handed to the optimizer and `actor/tis_weight` equal those of
+    the PPO loss (ratio 1 in the first mini-batch) with these weights written in."""
+    import copy
+
+    batch = make_batch(comps(seed=5, n=6), pad=0)
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.3, 2.0])
+    temp, mask = 0.9, batch.mask
+    with torch.no_grad():
+        trainer_lp, _ = padded_reference(tiny, batch, temp)
+    k = torch.cumsum(mask.flatten(), 0).view_as(mask).long() - 1  # the response tokens numbered 0, 1, 2, ...
+    raw, weight = (torch.tensor(v)[k % 4] * mask for v in (TIS_RAW, TIS_WEIGHT))
+    assert {1.5, 4.0} <= set(raw[mask.bool()].tolist()), "the case needs weights below and above the cap"
+    batch.rollout_lp = (trainer_lp - torch.log(raw.clamp_min(1e-9))) * mask
+    master = copy.deepcopy(tiny)
+    opt = GradRecorder(master.parameters())
+    algo = AlgoCfg(mini_batch_size=len(batch), micro_batch_size=4, tis_cap=TIS_CAP, grad_clip=1e9)
+    metrics, why = policy_update(Precision(master, "float32"), opt, None, batch, adv, algo, temp, random.Random(0), {})
+    assert why is None and len(opt.grads) == 1
+    # the reference: the same loss, one padded forward, the weights written in
+    ref = copy.deepcopy(tiny)
+    lp, _ = padded_reference(ref, batch, temp)
+    loss = -(adv[:, None] * weight * lp * mask).sum() / mask.sum()
+    loss.backward()
+    n = float(mask.sum())
+    assert metrics["actor/tis_weight"] == pytest.approx(float(weight.sum()) / n, abs=1e-5)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(-(adv[:, None] * weight * mask).sum()) / n, abs=1e-5)
+    assert metrics["rollout/logprob_diff"] == pytest.approx(float(raw.clamp_min(1e-9).log().abs().mul(mask).sum()) / n,
+                                                            abs=1e-5)
+    for (name, p), g in zip(ref.named_parameters(), opt.grads[0]):
+        torch.testing.assert_close(g, p.grad, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+    norm = float(torch.stack([p.grad.norm() for p in ref.parameters()]).norm())
+    assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
 def run_update(model, batch, adv, algo, seed=0):

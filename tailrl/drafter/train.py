@@ -194,10 +194,11 @@ class SpotTrainer:
     """Background drafter training for the rollout's long tail. `resume()` lets it run, `pause()` stops it
     after at most the micro-batch in progress (and waits for that; a partly accumulated step is dropped), and
     it stops by itself before it would exceed `cfg.spot_share` of the previous RL step's time. It trains on
-    its own threads (cfg.spot_threads)."""
+    its own threads (cfg.spot_threads). `clock` (seconds, perf_counter by default) times its steps against the
+    share: a test gives a clock that steps advance, so the share is checked in steps, not in this machine's speed."""
 
-    def __init__(self, trainer: DrafterTrainer, cfg: DrafterConfig):
-        self.trainer, self.cfg = trainer, cfg
+    def __init__(self, trainer: DrafterTrainer, cfg: DrafterConfig, clock=time.perf_counter):
+        self.trainer, self.cfg, self.clock = trainer, cfg, clock
         self._go = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -252,13 +253,13 @@ class SpotTrainer:
             try:
                 if not self._go.is_set():
                     continue
-                t = time.perf_counter()
+                t = self.clock()
                 samples = self.trainer.buffer.sample(self.cfg.batch_tokens, self.trainer.rng, self.rl_step)
                 done = None
                 if samples:
                     done = self.trainer.train_step(samples, self.cfg.spot_micro_tokens, stop=lambda: not self._go.is_set())
                     self.steps_this_rl_step += done is not None
-                took = time.perf_counter() - t
+                took = self.clock() - t
                 self.used_s += took
                 self.last_step_s = took if done is not None else self.last_step_s
                 # stop before a step that would run over the share
