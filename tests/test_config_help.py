@@ -77,3 +77,10 @@ def test_config_show_reads_back_with_docs(tmp_path, capsys):
     assert cfg.algo.lr == 1e-5 and cfg.rollout.spec.mode == "off" and cfg.rollout.n == 4
     assert main(["config", "show", "algo.learning_rate=1"]) == 2
     assert "did you mean algo.lr?" in capsys.readouterr().err
+
+
+def test_a_misspelled_builtin_reward_names_the_nearest():
+    from tailrl.rl.reward_runner import RewardRunner
+
+    with pytest.raises(ValueError, match=r"'mth': choose one of math, .*verl \(did you mean math\?\)"):
+        RewardRunner(["mth"])

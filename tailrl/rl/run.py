@@ -31,6 +31,8 @@ def train(cfg: Config, console=None) -> Path:
         with StopOnSignal() as stop:
             try:
                 trainer = Trainer(cfg)
+                for note in trainer.notes:
+                    print(note)
                 low = disk_warning(out / "checkpoints", trainer.policy, cfg.trainer.keep_checkpoints)
                 if low:
                     log.warning(low)

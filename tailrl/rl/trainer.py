@@ -26,7 +26,7 @@ from ..model import load_model
 from ..model.load import resolve_dtype
 from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
-from .data import Example, Loader, fit_prompts, load_datasets
+from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
 from .forward import make_batch
 from .guards import StepGuard, check_rollout_labels
 from .multi_worker import cluster_rollout, make_cluster
@@ -36,6 +36,7 @@ from .rewards import accuracy_verifier
 from .samples import pick_samples, sample_steps
 from .state_check import check_checkpoint, python_rng
 from .update import policy_update
+from .verl import adopt_verl, warn_unknown_sources
 from .weights import push_weights
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class Trainer:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.last_step_s = 0.0
+        self.notes = adopt_verl(cfg.data, cfg.reward, peek_rows(cfg.data.train_file))  # [] unless verl's format
         self.train_set, self.eval_set = load_datasets(cfg.data)
+        warn_unknown_sources(cfg.reward.functions, self.train_set + self.eval_set)
         d = cfg.data
         self.train_set = fit_prompts(self.train_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "train")
         self.eval_set = fit_prompts(self.eval_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
