@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
     except (ValueError, OSError, RunDirError, CheckpointError, RunStalledError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.trainer.report:
+    if cfg.trainer.report and "jsonl" in cfg.trainer.loggers:  # the report is made from metrics.jsonl
         print(f"report: {make_report(run_dir)} (plots: {run_dir / 'report.png'})")
     print(f"metrics: {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}")
     return 0

@@ -127,6 +127,10 @@ class TrainerCfg:
     save_optimizer_final: bool = True  # the last checkpoint holds the optimizer state too (2/3 of its size)
     max_skipped_steps: int = 3  # this many steps in a row without a finite update stop the run
     report: bool = True  # write report.md and report.png at the end
+    # console | jsonl (metrics.jsonl: the report and resume read it) | tensorboard | wandb (WANDB_MODE=offline: no network)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project: str = ""  # W&B project (empty: $WANDB_PROJECT, else tailrl)
+    run_name: str = ""  # W&B run name (empty: the run folder's name)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import tokenize
 import yaml
 
 from .cluster.config import PLACEMENTS
+from .loggers import LOGGERS
 from .spec.config import MODES
 
 # other trainers' names for our keys (TRL's GRPOConfig, verl's ppo_trainer.yaml), matched by a key's last part
@@ -64,6 +65,7 @@ CHOICES = {
     "algo.kl_type": ("k1", "k3"),
     "reward.accuracy": ("auto", "math", "countdown", "verl"),
     "cluster.placement": PLACEMENTS,
+    "trainer.loggers": LOGGERS,
 }
 
 

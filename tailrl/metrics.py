@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per step (metrics.jsonl), a few sampled completions at chosen steps (samples.jsonl),
-TensorBoard scalars, and the live console view.
+the other loggers of trainer.loggers (loggers.py: TensorBoard, W&B), and the live console view.
 
 A line cut off by a killed run (the last one) is skipped with a warning naming the file and line, by the
 reader and by a resuming writer, which rewrites the file whole (tmp + rename) before appending."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -16,41 +15,40 @@ log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, resume_step: int | None = None):
+    """metrics.jsonl and samples.jsonl (with `jsonl` in loggers), and the other loggers of trainer.loggers."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None, loggers=("jsonl", "tensorboard"),
+                 config: dict | None = None, project: str = "", run_name: str = ""):
+        from .loggers import make_loggers
+
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = "jsonl" in loggers
         self.path = self.dir / "metrics.jsonl"
-        restart_jsonl(self.path, resume_step)
         self.samples = self.dir / "samples.jsonl"
-        restart_jsonl(self.samples, resume_step)
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
-        except ImportError:  # tensorboard is optional; the JSONL has everything
-            pass
+        if self.jsonl:
+            restart_jsonl(self.path, resume_step)
+            restart_jsonl(self.samples, resume_step)
+        self.loggers = make_loggers(list(loggers), self.dir, resume_step, config or {}, project, run_name)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: v for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        if self.jsonl:
+            row = {"step": step, **metrics}
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+        for lg in self.loggers:
+            lg.log(step, metrics)
 
     def log_samples(self, rows: list[dict]) -> None:
         """A few completions of a step (rl/samples.py) to samples.jsonl."""
-        if rows:
+        if rows and self.jsonl:
             with self.samples.open("a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for lg in self.loggers:
+            lg.close()
 
 
 def restart_jsonl(path: Path, resume_step: int | None) -> None:

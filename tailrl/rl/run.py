@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, to_dict
+from ..loggers import check_loggers
 from ..metrics import LiveView, MetricsWriter
 from . import run_dir
 from .checkpoint import disk_warning, latest_name
@@ -25,6 +26,7 @@ def train(cfg: Config, console=None) -> Path:
     """Runs cfg.trainer.steps steps (from the last checkpoint with trainer.resume); returns the run folder.
     Raises Interrupted (with the step and latest checkpoint) on SIGINT/SIGTERM."""
     out = Path(cfg.trainer.out_dir)
+    check_loggers(cfg.trainer.loggers)  # a missing package fails now, not at step 1
     lock = run_dir.claim(out, cfg.trainer.resume, cfg.trainer.overwrite)
     trainer = writer = view = None
     try:
@@ -38,8 +40,10 @@ def train(cfg: Config, console=None) -> Path:
                     log.warning(low)
                 resumed = cfg.trainer.resume and trainer.resume()
                 (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-                writer = MetricsWriter(out, resume_step=trainer.step if resumed else None)
-                view = LiveView(cfg.trainer.steps, trainer.step, console)
+                t = cfg.trainer
+                writer = MetricsWriter(out, trainer.step if resumed else None, t.loggers, to_dict(cfg), t.project,
+                                       t.run_name)
+                view = LiveView(cfg.trainer.steps, trainer.step, console) if "console" in t.loggers else None
                 _loop(trainer, writer, view, stop)
             except Interrupted as e:
                 e.step = trainer.step if trainer is not None else None
@@ -53,7 +57,7 @@ def train(cfg: Config, console=None) -> Path:
     return out
 
 
-def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnSignal) -> None:
+def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView | None, stop: StopOnSignal) -> None:
     cfg = trainer.cfg
     if trainer.step == 0 and cfg.trainer.eval_every:
         t = time.perf_counter()
@@ -61,13 +65,15 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnS
         m["timing_s/eval"] = time.perf_counter() - t
         with stop.critical():
             writer.log(0, m)
-        view.eval(0, m)
+        if view is not None:
+            view.eval(0, m)
     while trainer.step < cfg.trainer.steps:
         metrics = trainer.train_step()
         with stop.critical():
             writer.log(trainer.step, metrics)
             writer.log_samples(trainer.samples)
-        view.update(trainer.step, metrics)
+        if view is not None:
+            view.update(trainer.step, metrics)
         trainer.guard.after_step(trainer.step, metrics, trainer.skip_reason)
         last = trainer.step == cfg.trainer.steps
         if (cfg.trainer.save_every and trainer.step % cfg.trainer.save_every == 0) or last:
