@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import cli_drafter, cli_generate
+from . import cli_drafter, cli_eval, cli_generate
 from .config_help import groups_help
 
 
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.lr=1e-5 rollout.spec.mode=off")
     t.set_defaults(func=cmd_train)
+    cli_eval.add_parser(sub)
     r = sub.add_parser("report", help="(re)build the plots and report of a run folder")
     r.add_argument("run_dir")
     r.set_defaults(func=cmd_report)

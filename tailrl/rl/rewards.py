@@ -136,15 +136,20 @@ def reward_weights(names: list[str], weights: list[float] | None) -> list[float]
     return [DEFAULT_WEIGHTS.get(n, 1.0) for n in names]
 
 
-def accuracy_verifier(setting: str, names: list[str]):
-    """The strict 0/1 verifier behind acc/mean, whatever the shaped reward is: reward.accuracy, where 'auto'
-    means the Countdown checker when the countdown reward is in use, verl's routing when `verl` is, and
-    final-answer math otherwise. A verifier that raises (verl: an unknown data_source) counts the sample wrong."""
+def accuracy_name(setting: str, names: list[str]) -> str:
+    """reward.accuracy resolved: 'auto' is countdown when the countdown reward is in use, verl when verl is, else math."""
     if setting == "auto":
         setting = "countdown" if "countdown" in names else "verl" if "verl" in names else "math"
     if setting not in ("math", "countdown", "verl"):
         raise ValueError(f"reward.accuracy={setting!r}: choose auto, math, countdown or verl")
-    fn = BUILTIN[setting]
+    return setting
+
+
+def accuracy_verifier(setting: str, names: list[str]):
+    """The strict 0/1 verifier behind acc/mean, whatever the shaped reward is: reward.accuracy, where 'auto'
+    means the Countdown checker when the countdown reward is in use, verl's routing when `verl` is, and
+    final-answer math otherwise. A verifier that raises (verl: an unknown data_source) counts the sample wrong."""
+    fn = BUILTIN[accuracy_name(setting, names)]
 
     def verifier(completion: str, **columns) -> bool:
         try:
