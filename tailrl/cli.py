@@ -42,9 +42,17 @@ def cmd_train(args) -> int:
     except (ValueError, OSError, RunDirError, CheckpointError, RunStalledError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.trainer.report and "jsonl" in cfg.trainer.loggers:  # the report is made from metrics.jsonl
-        print(f"report: {make_report(run_dir)} (plots: {run_dir / 'report.png'})")
-    print(f"metrics: {run_dir / 'metrics.jsonl'}; tensorboard --logdir {run_dir / 'tensorboard'}")
+    if "jsonl" in cfg.trainer.loggers:  # the summary and the report are made from metrics.jsonl
+        from .console import eval_summary
+        from .metrics import read_metrics
+
+        if summary := eval_summary(read_metrics(run_dir)):
+            print(summary)
+        if cfg.trainer.report:
+            print(f"report: {make_report(run_dir)} (plots: {run_dir / 'report.png'})")
+        print(f"metrics: {run_dir / 'metrics.jsonl'}")
+    if "tensorboard" in cfg.trainer.loggers:
+        print(f"tensorboard --logdir {run_dir / 'tensorboard'}")
     return 0
 
 

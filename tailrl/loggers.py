@@ -36,9 +36,12 @@ def scalars(metrics: dict) -> dict[str, float]:
 
 
 class TensorBoardLogger:
+    name = "tensorboard"
+
     def __init__(self, run_dir: Path, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.where = str(run_dir / "tensorboard")
         self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -58,6 +61,8 @@ def new_run_id() -> str:
 class WandbLogger:
     """A W&B run in the run folder; resumed (same id) when the folder holds one and the run resumes."""
 
+    name = "wandb"
+
     def __init__(self, run_dir: Path, resume: bool, config: dict, project: str = "", name: str = ""):
         import wandb
 
@@ -76,7 +81,7 @@ class WandbLogger:
     @property
     def where(self) -> str:
         """The run's page, or its local folder when offline."""
-        return self.run.url or str(Path(self.run.dir).parent)
+        return self.run.url or f"{Path(self.run.dir).parent} (offline: `wandb sync` uploads it)"
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(scalars(metrics), step=step)

@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per step (metrics.jsonl), a few sampled completions at chosen steps (samples.jsonl),
-the other loggers of trainer.loggers (loggers.py: TensorBoard, W&B), and the live console view.
+and the other loggers of trainer.loggers (loggers.py: TensorBoard, W&B); the console is console.py.
 
 A line cut off by a killed run (the last one) is skipped with a warning naming the file and line, by the
 reader and by a resuming writer, which rewrites the file whole (tmp + rename) before appending."""
@@ -46,6 +46,10 @@ class MetricsWriter:
             with self.samples.open("a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
+    def where(self) -> dict[str, str]:
+        """Each logger's output (a file, a folder, a W&B page), for the console's header."""
+        return {**({"jsonl": str(self.path)} if self.jsonl else {}), **{lg.name: lg.where for lg in self.loggers}}
+
     def close(self) -> None:
         for lg in self.loggers:
             lg.close()
@@ -86,37 +90,3 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     return read_jsonl(path)
-
-
-class LiveView:
-    """A rich progress bar with the latest step's numbers; plain lines where there is no terminal."""
-
-    def __init__(self, total: int, start: int, console=None):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.console = console or Console()
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.description}"), console=self.console, transient=False)
-        self.task = self.progress.add_task("", total=total, completed=start)
-        self.progress.start()
-
-    def update(self, step: int, m: dict) -> None:
-        def g(k: str) -> float:  # a step whose prompts were all rejected has no reward
-            return m.get(k, float("nan"))
-
-        line = (f"step {step}: reward {g('reward/mean'):.3f} acc {g('acc/mean'):.2f} len {g('response_length/mean'):.0f} "
-                f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s ({g('perf/update_tokens_per_s'):.0f} tok/s) "
-                f"accept {g('spec/accept_length'):.2f}")
-        if "eval/accuracy" in m:
-            line += f" eval acc {m['eval/accuracy']:.2f}"
-        if m.get("train/skipped_steps"):
-            line += " [update skipped: non-finite values]"
-        self.progress.update(self.task, completed=step, description=line)
-        self.console.log(line)
-
-    def eval(self, step: int, m: dict) -> None:
-        self.console.log(f"step {step}: eval acc {m['eval/accuracy']:.2f} reward {m['eval/reward']:.3f}")
-
-    def close(self) -> None:
-        self.progress.stop()

@@ -94,6 +94,7 @@ class Trainer:
         self.verifier = accuracy_verifier(cfg.reward.accuracy, cfg.reward.functions)
         self.guard = StepGuard(cfg.trainer.max_skipped_steps)
         self.skip_reason: str | None = None  # why the last step did not update the policy
+        self.phase: tuple[str, float] | None = None  # (rollout | update | eval, since): for the console's progress line
         self.step = 0
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
@@ -180,6 +181,7 @@ class Trainer:
         return rewards, metrics, correct
 
     def evaluate(self) -> dict:
+        self.phase = ("eval", time.perf_counter())
         comps = self.engine.generate([ex.ids for ex in self.eval_set],
                                      SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
         comps = [c for c in comps if c.finish_reason != "error"]
@@ -205,11 +207,13 @@ class Trainer:
         examples = [self.train_set[i] for i in idx]
         timing = {}
         t = time.perf_counter()
+        self.phase = ("rollout", t)
         all_comps = self.rollout(examples, self.step)
         timing["timing_s/gen"] = time.perf_counter() - t
         check_rollout_labels(examples, all_comps, cfg.rollout.n)
         comps, rejected = self._accepted(all_comps, cfg.rollout.n)
         metrics = {"rollout/rejected": rejected, "rollout/batch_invariant": float(self.engine.runner.invariant)}
+        self.phase = ("update", time.perf_counter())
         if comps:
             metrics.update(self._learn(examples, comps, timing))
         else:
@@ -238,6 +242,7 @@ class Trainer:
             timing["timing_s/eval"] = time.perf_counter() - t
         timing["timing_s/step"] = self.last_step_s = time.perf_counter() - t_step
         metrics.update(timing)
+        self.phase = None
         return metrics
 
     def _learn(self, examples: list[Example], comps, timing: dict) -> dict:
