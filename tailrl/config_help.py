@@ -103,6 +103,8 @@ def did_you_mean(key: str, keys: list[str], n: int = 3) -> list[str]:
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     out += sorted(same_leaf, key=lambda k: not k.startswith(section + "."))
     out += [k for k in keys if k.startswith(key) and "." in key]  # a key cut short: algo.kl -> algo.kl_coef
+    if out:  # another trainer's name, the same last part or a key cut short: no guessing beyond them
+        return list(dict.fromkeys(out))[:n]
     scored = sorted(((max(_similar(key, k), _similar(leaf, k.rsplit(".", 1)[-1]) - 0.05), k) for k in keys), reverse=True)
     if scored and scored[0][0] >= 0.6:
         best = scored[0][0]
