@@ -39,8 +39,8 @@ def cmd_eval(args) -> int:
         out = check_writable(args.out or _default_out(src, label))
         for note in notes:
             print(note)
-        print(f"eval: {src.label}; {label}: {len(examples)} prompts x {args.n} samples, temperature {temperature:g}, "
-              f"max {max_tokens} tokens, speculation {src.cfg.rollout.spec.mode}")
+        print(f"eval: {src.label}; {label}: {len(examples)} prompts x {args.n} sample{'s' if args.n > 1 else ''}, "
+              f"temperature {temperature:g}, max {max_tokens} tokens, speculation {src.cfg.rollout.spec.mode}")
         seed = src.cfg.trainer.seed if args.seed is None else args.seed
         s = run_eval(src, examples, args.n, temperature, max_tokens, args.reward, seed, out, args.device,
                      progress=not args.quiet and sys.stderr.isatty())

@@ -104,3 +104,26 @@ def test_bad_sources_and_data_are_one_line_errors(tiny_run, tmp_path, capsys):
     assert "has no checkpoint yet" in capsys.readouterr().err
     assert main(["eval", str(run), "--data", "arithmatic"]) == 2
     assert "nor a built-in task (arithmetic, countdown)" in capsys.readouterr().err
+
+
+def test_eval_on_a_verl_file_uses_the_verl_reward(tiny_run, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, run, _ = tiny_run
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i} + 1 = ? ####"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": "3" if i % 3 else "7"},
+             "extra_info": {"split": "test", "index": i}} for i in range(9)]
+    pq.write_table(pa.Table.from_pylist(rows), root / "gsm8k_test.parquet")
+    out = root / "verl_eval.jsonl"
+    model = run / "checkpoints" / "step_000002" / "model"  # a bare HF folder: nothing of the run's config
+    assert main(["eval", str(model), "--data", str(root / "gsm8k_test.parquet"), "--max-tokens", "4",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reward: verl" in text and "(reward verl:" in text
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(got) == 9 and [r["answer"] for r in got] == [r["reward_model"]["ground_truth"] for r in rows]
+    for r in got:  # gsm8k's strict rule: the last '#### <number>'
+        last = re.findall(r"#### (\-?[0-9\.\,]+)", r["completion"])
+        assert r["reward"] == float(bool(last) and last[-1] == r["answer"])
+    assert printed(text, "pass@1") == pytest.approx(sum(r["correct"] for r in got) / 9, abs=1e-3)
