@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per step (metrics.jsonl), a few sampled completions at chosen steps (samples.jsonl),
-TensorBoard scalars, and the live console view.
+and the other loggers of trainer.loggers (loggers.py: TensorBoard, W&B); the console is console.py.
 
 A line cut off by a killed run (the last one) is skipped with a warning naming the file and line, by the
 reader and by a resuming writer, which rewrites the file whole (tmp + rename) before appending."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -16,41 +15,44 @@ log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, resume_step: int | None = None):
+    """metrics.jsonl and samples.jsonl (with `jsonl` in loggers), and the other loggers of trainer.loggers."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None, loggers=("jsonl", "tensorboard"),
+                 config: dict | None = None, project: str = "", run_name: str = ""):
+        from .loggers import make_loggers
+
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = "jsonl" in loggers
         self.path = self.dir / "metrics.jsonl"
-        restart_jsonl(self.path, resume_step)
         self.samples = self.dir / "samples.jsonl"
-        restart_jsonl(self.samples, resume_step)
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
-        except ImportError:  # tensorboard is optional; the JSONL has everything
-            pass
+        if self.jsonl:
+            restart_jsonl(self.path, resume_step)
+            restart_jsonl(self.samples, resume_step)
+        self.loggers = make_loggers(list(loggers), self.dir, resume_step, config or {}, project, run_name)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: v for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        if self.jsonl:
+            row = {"step": step, **metrics}
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+        for lg in self.loggers:
+            lg.log(step, metrics)
 
     def log_samples(self, rows: list[dict]) -> None:
         """A few completions of a step (rl/samples.py) to samples.jsonl."""
-        if rows:
+        if rows and self.jsonl:
             with self.samples.open("a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
+    def where(self) -> dict[str, str]:
+        """Each logger's output (a file, a folder, a W&B page), for the console's header."""
+        return {**({"jsonl": str(self.path)} if self.jsonl else {}), **{lg.name: lg.where for lg in self.loggers}}
+
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for lg in self.loggers:
+            lg.close()
 
 
 def restart_jsonl(path: Path, resume_step: int | None) -> None:
@@ -88,37 +90,3 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     return read_jsonl(path)
-
-
-class LiveView:
-    """A rich progress bar with the latest step's numbers; plain lines where there is no terminal."""
-
-    def __init__(self, total: int, start: int, console=None):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.console = console or Console()
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TextColumn("{task.description}"), console=self.console, transient=False)
-        self.task = self.progress.add_task("", total=total, completed=start)
-        self.progress.start()
-
-    def update(self, step: int, m: dict) -> None:
-        def g(k: str) -> float:  # a step whose prompts were all rejected has no reward
-            return m.get(k, float("nan"))
-
-        line = (f"step {step}: reward {g('reward/mean'):.3f} acc {g('acc/mean'):.2f} len {g('response_length/mean'):.0f} "
-                f"gen {g('timing_s/gen'):.1f}s upd {g('timing_s/update'):.1f}s ({g('perf/update_tokens_per_s'):.0f} tok/s) "
-                f"accept {g('spec/accept_length'):.2f}")
-        if "eval/accuracy" in m:
-            line += f" eval acc {m['eval/accuracy']:.2f}"
-        if m.get("train/skipped_steps"):
-            line += " [update skipped: non-finite values]"
-        self.progress.update(self.task, completed=step, description=line)
-        self.console.log(line)
-
-    def eval(self, step: int, m: dict) -> None:
-        self.console.log(f"step {step}: eval acc {m['eval/accuracy']:.2f} reward {m['eval/reward']:.3f}")
-
-    def close(self) -> None:
-        self.progress.stop()

@@ -67,18 +67,19 @@ TINY_WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>", "a", "b", "c
               "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "=", "####", "?"]
 
 
-def make_tiny_chat_model(folder, seed: int = 0):
-    """A tiny Llama with a 24-word tokenizer and a chat template: cheap enough to train in a test."""
+def make_tiny_chat_model(folder, seed: int = 0, words=TINY_WORDS):
+    """A tiny Llama with a 24-word tokenizer (or `words`, with the first five special ones and '?' among them) and a
+    chat template: cheap enough to train in a test."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(TINY_WORDS)}, unk_token="?"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>",
                                    unk_token="?")
     fast.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
                           "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
-    make_tiny_checkpoint(folder, "tinychat", seed=seed, vocab=len(TINY_WORDS))
+    make_tiny_checkpoint(folder, "tinychat", seed=seed, vocab=len(words))
     fast.save_pretrained(folder)
     return folder
 

@@ -1,4 +1,8 @@
-"""Prompt datasets (JSONL or Parquet, or a built-in task) and a resumable shuffling loader."""
+"""Prompt datasets (JSONL or Parquet, or a built-in task) and a resumable shuffling loader.
+
+data.prompt_key and data.answer_key may be dotted paths into nested columns (verl's `reward_model.ground_truth`);
+every top-level column other than the prompt's and the answer's reaches reward functions (`data_source`,
+`extra_info`, ...)."""
 
 from __future__ import annotations
 
@@ -56,6 +60,43 @@ def read_table(path: str) -> list[tuple[str, object]]:
     return rows
 
 
+def peek_rows(path: str, k: int = 8) -> list:
+    """The first k rows of a JSONL or Parquet file without reading it all (bad lines are left out)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(p).iter_batches(batch_size=k), None)
+        return batch.to_pylist() if batch is not None else []
+    rows = []
+    with p.open("rb") as f:
+        for raw in f:
+            try:
+                rows.append(json.loads(raw))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if len(rows) == k:
+                break
+    return rows
+
+
+_MISSING = object()
+
+
+def get_path(row: dict, key: str, default=None):
+    """row[key], or for a dotted key that is not a column itself, the nested value (row['a']['b'] for 'a.b')."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
+
+
 def _message_problem(i: int, m) -> str | None:
     if not isinstance(m, dict):
         return f"chat message {i} is a {type(m).__name__}, not {{'role': ..., 'content': ...}}"
@@ -70,7 +111,7 @@ def row_problem(row, prompt_key: str, answer_key: str) -> str | None:
     """Why a row cannot be used (None when it can)."""
     if not isinstance(row, dict):
         return "not an object"
-    prompt, answer = row.get(prompt_key), row.get(answer_key)
+    prompt, answer = get_path(row, prompt_key), get_path(row, answer_key)
     if not prompt:
         return f"no {prompt_key!r}"
     if answer is None:
@@ -88,7 +129,7 @@ def to_examples(rows: list[tuple[str, object]], prompt_key: str, answer_key: str
     """Good rows as Examples; each bad row is skipped with a warning naming its file and line."""
     dicts = [r for _, r in rows if isinstance(r, dict)]
     for key, setting in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-        if dicts and not any(key in r for r in dicts):
+        if dicts and not any(get_path(r, key, _MISSING) is not _MISSING for r in dicts):
             cols = sorted({k for r in dicts for k in r})
             raise ValueError(f"{source}: no usable rows: no column {key!r} (columns: {', '.join(cols)}); set {setting} to the column "
                              f"that holds the {'prompts' if key == prompt_key else 'answers'}")
@@ -101,7 +142,7 @@ def to_examples(rows: list[tuple[str, object]], prompt_key: str, answer_key: str
                 log.warning("%s skipped: %s", where, why)
             continue
         cols = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        out.append(Example(row[prompt_key], str(row[answer_key]), cols, where))
+        out.append(Example(get_path(row, prompt_key), str(get_path(row, answer_key)), cols, where))
     if not out:
         raise ValueError(f"{source}: no usable rows (each needs {prompt_key!r} and {answer_key!r})")
     if bad:

@@ -215,15 +215,17 @@ class RewardRunner:
         return vals, errors + timeouts
 
     def _builtin(self, name, completions, columns, stats: RewardStats) -> tuple[list[float | None], int]:
-        fn, vals, failed = BUILTIN[name], [], 0
+        fn, vals, failed, first = BUILTIN[name], [], 0, None
         for i, c in enumerate(completions):
             try:
                 vals.append(_as_float(fn(c, **{k: v[i] for k, v in columns.items()})))
             except Exception as e:
-                stats.errors += 1
                 failed += 1
-                log.warning("reward %s raised (%s): reward 0", name, e)
+                first = first or f"{type(e).__name__}: {e}"
                 vals.append(None)
+        if failed:  # one line a step, not one per sample
+            stats.errors += failed
+            log.warning("reward %s raised on %d of %d samples (first: %s): they get 0", name, failed, len(vals), first)
         return vals, failed
 
     def __call__(self, prompts: list, completions: list[str], columns: dict[str, list]) -> tuple[list[float], RewardStats]:

@@ -14,6 +14,8 @@ import re
 import sys
 from collections import Counter
 
+from .verl import verl_reward
+
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -119,7 +121,7 @@ def countdown_reward(completion: str, answer: str, numbers: list[int] | None = N
 
 
 BUILTIN = {"math": math_reward, "math_partial": math_partial_reward, "format": format_reward,
-           "countdown": countdown_reward}
+           "countdown": countdown_reward, "verl": verl_reward}
 
 
 DEFAULT_WEIGHTS = {"format": 0.2}  # a shaping term; every other function counts 1.0 unless reward.weights says
@@ -134,21 +136,37 @@ def reward_weights(names: list[str], weights: list[float] | None) -> list[float]
     return [DEFAULT_WEIGHTS.get(n, 1.0) for n in names]
 
 
+def accuracy_name(setting: str, names: list[str]) -> str:
+    """reward.accuracy resolved: 'auto' is countdown when the countdown reward is in use, verl when verl is, else math."""
+    if setting == "auto":
+        setting = "countdown" if "countdown" in names else "verl" if "verl" in names else "math"
+    if setting not in ("math", "countdown", "verl"):
+        raise ValueError(f"reward.accuracy={setting!r}: choose auto, math, countdown or verl")
+    return setting
+
+
 def accuracy_verifier(setting: str, names: list[str]):
     """The strict 0/1 verifier behind acc/mean, whatever the shaped reward is: reward.accuracy, where 'auto'
-    means the Countdown checker when the countdown reward is in use and final-answer math otherwise."""
-    if setting == "auto":
-        setting = "countdown" if "countdown" in names else "math"
-    if setting not in ("math", "countdown"):
-        raise ValueError(f"reward.accuracy={setting!r}: choose auto, math or countdown")
-    return BUILTIN[setting]
+    means the Countdown checker when the countdown reward is in use, verl's routing when `verl` is, and
+    final-answer math otherwise. A verifier that raises (verl: an unknown data_source) counts the sample wrong."""
+    fn = BUILTIN[accuracy_name(setting, names)]
+
+    def verifier(completion: str, **columns) -> bool:
+        try:
+            return bool(fn(completion, **columns))
+        except Exception:  # counted in reward/errors by the reward runner when the same function scores
+            return False
+
+    return verifier
 
 
 def load_function(spec: str):
     """`module:function`; the module is looked up on sys.path and then in the current directory (as TRL
     users expect). Errors name the function and what went wrong (missing module, syntax error, ...)."""
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected a built-in ({', '.join(BUILTIN)}) or 'module:function'")
+        from ..config_help import choice_hint
+
+        raise ValueError(f"reward function {spec!r}: {choice_hint(spec, list(BUILTIN))} or give 'module:function'")
     module, name = spec.split(":", 1)
     try:
         mod = _import(module)

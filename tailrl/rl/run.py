@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from ..config import Config, to_dict
-from ..metrics import LiveView, MetricsWriter
+from ..loggers import check_loggers
+from ..console import RunConsole, header_lines
+from ..metrics import MetricsWriter
 from . import run_dir
 from .checkpoint import disk_warning, latest_name
 from .stop import Interrupted, StopOnSignal
@@ -23,21 +25,27 @@ log = logging.getLogger(__name__)
 
 def train(cfg: Config, console=None) -> Path:
     """Runs cfg.trainer.steps steps (from the last checkpoint with trainer.resume); returns the run folder.
-    Raises Interrupted (with the step and latest checkpoint) on SIGINT/SIGTERM."""
+    Raises Interrupted (with the step and latest checkpoint) on SIGINT/SIGTERM. console: a rich Console for the
+    run's lines (default: stdout)."""
     out = Path(cfg.trainer.out_dir)
+    check_loggers(cfg.trainer.loggers)  # a missing package fails now, not at step 1
     lock = run_dir.claim(out, cfg.trainer.resume, cfg.trainer.overwrite)
     trainer = writer = view = None
     try:
         with StopOnSignal() as stop:
             try:
+                view = RunConsole(console, steps="console" in cfg.trainer.loggers)
                 trainer = Trainer(cfg)
                 low = disk_warning(out / "checkpoints", trainer.policy, cfg.trainer.keep_checkpoints)
                 if low:
                     log.warning(low)
                 resumed = cfg.trainer.resume and trainer.resume()
                 (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-                writer = MetricsWriter(out, resume_step=trainer.step if resumed else None)
-                view = LiveView(cfg.trainer.steps, trainer.step, console)
+                t = cfg.trainer
+                writer = MetricsWriter(out, trainer.step if resumed else None, t.loggers, to_dict(cfg), t.project,
+                                       t.run_name)
+                view.header(header_lines(trainer, writer.where(), resumed))
+                view.watch(trainer)
                 _loop(trainer, writer, view, stop)
             except Interrupted as e:
                 e.step = trainer.step if trainer is not None else None
@@ -51,7 +59,7 @@ def train(cfg: Config, console=None) -> Path:
     return out
 
 
-def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnSignal) -> None:
+def _loop(trainer: Trainer, writer: MetricsWriter, view: RunConsole, stop: StopOnSignal) -> None:
     cfg = trainer.cfg
     if trainer.step == 0 and cfg.trainer.eval_every:
         t = time.perf_counter()
@@ -65,7 +73,7 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: LiveView, stop: StopOnS
         with stop.critical():
             writer.log(trainer.step, metrics)
             writer.log_samples(trainer.samples)
-        view.update(trainer.step, metrics)
+        view.step(trainer.step, cfg.trainer.steps, metrics)
         trainer.guard.after_step(trainer.step, metrics, trainer.skip_reason)
         last = trainer.step == cfg.trainer.steps
         if (cfg.trainer.save_every and trainer.step % cfg.trainer.save_every == 0) or last:

@@ -26,7 +26,7 @@ from ..model import load_model
 from ..model.load import resolve_dtype
 from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
-from .data import Example, Loader, fit_prompts, load_datasets
+from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
 from .forward import make_batch
 from .guards import StepGuard, check_rollout_labels
 from .multi_worker import cluster_rollout, make_cluster
@@ -36,6 +36,7 @@ from .rewards import accuracy_verifier
 from .samples import pick_samples, sample_steps
 from .state_check import check_checkpoint, python_rng
 from .update import policy_update
+from .verl import adopt_verl, warn_unknown_sources
 from .weights import push_weights
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class Trainer:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.last_step_s = 0.0
+        self.notes = adopt_verl(cfg.data, cfg.reward, peek_rows(cfg.data.train_file))  # [] unless verl's format
         self.train_set, self.eval_set = load_datasets(cfg.data)
+        warn_unknown_sources(cfg.reward.functions, self.train_set + self.eval_set)
         d = cfg.data
         self.train_set = fit_prompts(self.train_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "train")
         self.eval_set = fit_prompts(self.eval_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
@@ -91,6 +94,7 @@ class Trainer:
         self.verifier = accuracy_verifier(cfg.reward.accuracy, cfg.reward.functions)
         self.guard = StepGuard(cfg.trainer.max_skipped_steps)
         self.skip_reason: str | None = None  # why the last step did not update the policy
+        self.phase: tuple[str, float] | None = None  # (rollout | update | eval, since): for the console's progress line
         self.step = 0
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
@@ -177,6 +181,7 @@ class Trainer:
         return rewards, metrics, correct
 
     def evaluate(self) -> dict:
+        self.phase = ("eval", time.perf_counter())
         comps = self.engine.generate([ex.ids for ex in self.eval_set],
                                      SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
         comps = [c for c in comps if c.finish_reason != "error"]
@@ -202,11 +207,13 @@ class Trainer:
         examples = [self.train_set[i] for i in idx]
         timing = {}
         t = time.perf_counter()
+        self.phase = ("rollout", t)
         all_comps = self.rollout(examples, self.step)
         timing["timing_s/gen"] = time.perf_counter() - t
         check_rollout_labels(examples, all_comps, cfg.rollout.n)
         comps, rejected = self._accepted(all_comps, cfg.rollout.n)
         metrics = {"rollout/rejected": rejected, "rollout/batch_invariant": float(self.engine.runner.invariant)}
+        self.phase = ("update", time.perf_counter())
         if comps:
             metrics.update(self._learn(examples, comps, timing))
         else:
@@ -235,6 +242,7 @@ class Trainer:
             timing["timing_s/eval"] = time.perf_counter() - t
         timing["timing_s/step"] = self.last_step_s = time.perf_counter() - t_step
         metrics.update(timing)
+        self.phase = None
         return metrics
 
     def _learn(self, examples: list[Example], comps, timing: dict) -> dict:
