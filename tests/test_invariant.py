@@ -43,6 +43,8 @@ def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16, 
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True)).generate(chats, params)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True,
                                           spec=SpecConfig(mode="history", min_match=1, epsilon=0.3, allocate=allocate)))
+    if allocate:  # rows priced by the prior, not by measured seconds: a loaded machine must not make it verify nothing
+        eng.speculator.selector.step_cost.coefficients = lambda B: None
     eng.generate(chats, params)  # the history of the second epoch
     outs = eng.generate(chats, params)
     assert sum(o.stats["accepted"] for o in outs) > 50, "speculation barely ran: the test exercised little"
@@ -237,12 +239,12 @@ def test_bf16_responses_do_not_depend_on_the_other_prompts(smollm_bf16):
 
 def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path):
     """The trainer's engine is invariant by default in bf16 on this CPU: two steps of the default task (SmolLM2,
-    bf16 engine, fp32 master) give the same rollouts, rewards and gradients with SD auto as with SD off. With
+    bf16 engine, fp32 master) give the same rollouts, rewards and gradients with history drafts as with SD off. With
     rollout.batch_invariant=false the response lengths differed at this size when it was written."""
     from tailrl.rl.trainer import Trainer
 
     rows = {}
-    for mode in ("off", "auto"):
+    for mode in ("off", "history"):  # history, not auto: auto's choice follows measured timings and may decode plainly
         cfg = load_config(None, [f"rollout.spec.mode={mode}", "trainer.prompts_per_step=4", "rollout.n=8",
                                  "rollout.max_tokens=48", "trainer.eval_every=0", "model.dtype=bfloat16",
                                  f"trainer.out_dir={tmp_path / mode}", "rollout.spec.epsilon=0.3"])
@@ -252,8 +254,8 @@ def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path
             rows[mode] = [trainer.train_step() for _ in range(2)]
         finally:
             trainer.close()
-    assert sum(r["spec/accept_length"] for r in rows["auto"]) > 2.0, "speculation never accepted a token"
-    for a, b in zip(rows["off"], rows["auto"]):
+    assert sum(r["spec/accept_length"] for r in rows["history"]) > 2.0, "speculation never accepted a token"
+    for a, b in zip(rows["off"], rows["history"]):
         assert a["response_lengths"] == b["response_lengths"] and a["reward/mean"] == b["reward/mean"]
         assert a["actor/grad_norm"] == b["actor/grad_norm"] and a["actor/pg_loss"] == b["actor/pg_loss"]
 
