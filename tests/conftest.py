@@ -109,3 +109,11 @@ def task_file(tmp_path_factory):
     from tests.rl_helpers import write_task
 
     return write_task(tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    """The tiny chat model loaded (fp32), for drafter tests."""
+    from tailrl.model import load_model
+
+    return load_model(str(make_tiny_chat_model(tmp_path_factory.mktemp("tinylm"))), device="cpu", dtype=torch.float32)

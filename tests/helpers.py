@@ -4,7 +4,8 @@ import itertools
 
 import torch
 
-from tailrl.engine import SamplingParams
+from tailrl.drafter.buffer import DraftBuffer
+from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
 from tailrl.spec.noise import gumbel, row_keys
 
@@ -48,3 +49,13 @@ def exact_joint(model, prompt: list[int], params: SamplingParams, D: int, V: int
     lp = warped_logprobs(logits.reshape(-1, V), *warp_tensors([params] * (len(seqs) * D), "cpu")).view(len(seqs), D, V)
     picked = lp.gather(-1, ids[:, len(prompt) :, None]).squeeze(-1).sum(-1)
     return {s: float(p) for s, p in zip(seqs, picked.exp())}
+
+
+def tiny_draft_buffer(model, steps=(0, 1)) -> DraftBuffer:
+    """A drafter buffer of 8 sampled answers of 12 tokens (2 prompts x 4) per RL step, with hidden states."""
+    buffer = DraftBuffer(max_tokens=100_000, steps=2)
+    for step in steps:
+        eng = Engine(model, None, EngineConfig(kv_cache_gb=0.2, capture_hidden=True, seed=step))
+        params = SamplingParams(n=4, max_tokens=12, seed=step, ignore_eos=True)
+        buffer.add_completions(eng.generate([[1, 2, 3], [4, 5, 6, 7]], params), step)
+    return buffer
