@@ -37,8 +37,9 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
     workers = f", {r.workers} Ray workers" if r.workers > 1 else ""
     rows = [
         ("model", f"{cfg.model.path} ({_count(params)} parameters)"),
-        ("precision", f"engine {_dtype(trainer.engine.model.dtype)}; trainer fp32 master + AdamW, compute "
-                      f"{trainer.prec.mode}"),
+        ("precision", f"engine {_dtype(trainer.engine.model.dtype)}"
+                      + (" (batch-invariant)" if trainer.engine.runner.invariant else "")
+                      + f"; trainer fp32 master + AdamW, compute {trainer.prec.mode}"),
         ("device", f"{device}{threads}"),
         ("data", f"{source}: {len(trainer.train_set)} train / {len(trainer.eval_set)} eval prompts"),
         ("reward", ", ".join(cfg.reward.functions)),

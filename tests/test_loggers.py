@@ -3,6 +3,7 @@ continues the same W&B run), a missing wandb package fails at start, and a logge
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -21,6 +22,8 @@ def wandb_records(path) -> list:
             pos += left
             continue
         n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if pos + 7 + n > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind in (1, 2):  # full, first
             part = chunk
@@ -33,9 +36,20 @@ def wandb_records(path) -> list:
     return out
 
 
+def finished_records(run_file, wait_s: float = 120.0) -> list:
+    """The records once the run's 'exit' record is in the file (W&B's service process writes it a moment after
+    run.finish() returns)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        recs = wandb_records(run_file) if run_file.is_file() else []
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.2)
+
+
 def history(run_file) -> dict[int, dict]:
     rows = {}
-    for rec in wandb_records(run_file):
+    for rec in finished_records(run_file):
         if rec.WhichOneof("record_type") == "history":
             row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in rec.history.item}
             rows[row["_step"]] = row
@@ -77,7 +91,7 @@ def test_wandb_offline_has_the_metrics_and_a_resume_continues_the_run(tiny_chat,
                 assert logged[step][key] == pytest.approx(jsonl[step][key]), (step, key)
         assert "response_lengths" not in logged[step]
     assert logged[0]["eval/accuracy"] == pytest.approx(jsonl[0]["eval/accuracy"])
-    recs = wandb_records(runs[0] / f"run-{run_id}.wandb")
+    recs = finished_records(runs[0] / f"run-{run_id}.wandb")
     run = next(r.run for r in recs if r.WhichOneof("record_type") == "run")
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert run.run_id == run_id and run.display_name == "first"

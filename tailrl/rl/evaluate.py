@@ -140,11 +140,14 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
         raise ValueError(f"model {src.model!r} has no tokenizer; evaluation needs one for prompts and rewards")
     r, d = cfg.rollout, cfg.data
     spec = r.spec if r.spec.mode != "learned" else dataclasses.replace(r.spec, mode="auto")  # no learned head here
-    engine = Engine(model, tokenizer, EngineConfig(
-        kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=seed, spec=spec, cuda_graphs=r.cuda_graphs,
-        batch_invariant=r.batch_invariant,
-        max_model_len=min(d.max_prompt_tokens + max_tokens, model.config.max_position_embeddings)),
-        make_speculator(spec))
+    try:
+        engine = Engine(model, tokenizer, EngineConfig(
+            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=seed, spec=spec, cuda_graphs=r.cuda_graphs,
+            batch_invariant=r.batch_invariant,
+            max_model_len=min(d.max_prompt_tokens + max_tokens, model.config.max_position_embeddings)),
+            make_speculator(spec))
+    except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
+        raise ValueError(str(e)) from e
     examples = fit_prompts(examples, engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
     gen_n = 1 if temperature == 0 else n  # greedy: one completion stands for the n samples
     params = [SamplingParams(n=gen_n, max_tokens=max_tokens, temperature=temperature, top_p=r.top_p if temperature else 1.0,
