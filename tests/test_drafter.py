@@ -183,7 +183,7 @@ def test_drafter_config_errors_name_the_problem():
         load_config(None, ["drafter.topk=0"])
     with pytest.raises(ConfigError, match="spec.mode=learned"):
         load_config(None, ["rollout.spec.mode=learned"])
-    with pytest.raises(ConfigError, match="unknown config key 'drafter.nope'"):
+    with pytest.raises(ConfigError, match="unknown key 'drafter.nope'"):
         load_config(None, ["drafter.nope=1"])
     with pytest.raises(FileNotFoundError, match="not a drafter folder"):
         load_drafter("/nonexistent/drafter")
