@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, draft trees, lossless verification, the selector and the speculator."""
