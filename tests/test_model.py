@@ -3,16 +3,17 @@ import json
 import pytest
 import torch
 
+from tailrl.engine.kv_cache import KVCache
 from tailrl.model import UnsupportedModelError, load_model, make_step, save_pretrained
 
 TOL = 1e-4
 
 
-class KV:
-    def __init__(self, cfg, slots=4, cap=256):
-        shape = (slots, cfg.num_key_value_heads, cap, cfg.head_dim)
-        self.k = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+def KV(cfg, slots=4, cap=256):
+    """A paged cache whose rows each hold `cap` positions."""
+    kv = KVCache(cfg, 0, "cpu", torch.float32)
+    kv.layout(slots, cap)
+    return kv
 
 
 def prefill_then_decode(model, ids, split, slot=1):

@@ -77,9 +77,9 @@ class LearnedDrafter(_BatchDrafter):
         out: list[DraftTree | None] = [None] * len(seqs)
         if not live:
             return out
-        # room for the tree entries: at most topk nodes are expanded per level
-        room = max(seqs[i].cache_len + self.cfg.topk * depths[i] + 2 for i in live)
-        roots = self._catch_up([seqs[i] for i in live], max(max(s.slot for s in seqs) + 1, self.kv.slots), room)
+        # room for the tree entries in each sequence's KV blocks: at most topk nodes are expanded per level
+        self.kv.ensure([seqs[i].slot for i in live], [seqs[i].cache_len + self.cfg.topk * depths[i] + 2 for i in live])
+        roots = self._catch_up([seqs[i] for i in live])
         trees = self._grow([seqs[i] for i in live], roots, [budgets[i] for i in live], [depths[i] for i in live])
         for i, t in zip(live, trees):
             out[i] = t
@@ -87,10 +87,9 @@ class LearnedDrafter(_BatchDrafter):
 
     # ---- internals ----------------------------------------------------------------------------------------
 
-    def _catch_up(self, seqs: list, num_slots: int, max_len: int) -> torch.Tensor:
+    def _catch_up(self, seqs: list) -> torch.Tensor:
         """Runs the head over each sequence's verified positions it has not seen; returns the root's g [B, H]."""
         dev = self.head.fc.weight.device
-        self.kv.ensure(num_slots, max_len)
         hs, ids, starts, lens = [], [], [], []
         for s in seqs:
             done, c = s.spec.get("learned_len", 0), s.cache_len
@@ -155,7 +154,7 @@ class LearnedDrafter(_BatchDrafter):
                 q_lens.append(len(best))
                 slots.append(seqs[b].slot)
                 anc.append([self._ancestry(n, written[b]) for n in best])
-            self.kv.ensure(self.kv.slots, max(cl + q for cl, q in zip(cache_lens, q_lens)))
+            self.kv.ensure(slots, [cl + q for cl, q in zip(cache_lens, q_lens)])
             step = make_step(cache_lens, q_lens, slots, dev, positions=torch.tensor(pos),
                              tree_masks=[torch.eye(q, dtype=torch.bool) for q in q_lens])
             for row, (b, best) in enumerate(expand):  # tree entries seen: the node's ancestors only

@@ -13,6 +13,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: 25% of RAM (CPU, at most 8 GiB) or 60% of free GPU memory
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096
+    kv_watermark: float = 0.01  # share of KV blocks admission leaves free (running sequences grow into it)
     seed: int = 0
     tail_batch: int = 4  # the long tail (for stats): at most max(tail_batch, tail_frac x requests) sequences running
     tail_frac: float = 0.3
@@ -36,5 +37,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_mem_gb={self.cuda_graph_mem_gb} must be >= 0")
         if self.batch_invariant not in (True, False, "auto"):
             raise ValueError(f"batch_invariant={self.batch_invariant!r}: use true, false or auto")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark={self.kv_watermark} must be in [0, 1)")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens} must be >= 1")

@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
 from .probe import resolve_invariant
 from .requests import SeqState, check_prompt, encode, export_state, failed_group, import_state, make_group
+from .blocks import BLOCK
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -53,7 +54,7 @@ class Engine:
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant)
-        self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -61,6 +62,8 @@ class Engine:
         self._next_id = 0
         self._gc_frozen = False
         self._done: list[Sequence] = []  # finished outside a step (rejected requests): returned by the next step
+        self._warned_fit = False
+        self.lookahead = max(self.speculator.cfg.budgets) if self.speculator is not None else 0
 
     def encode(self, prompt) -> list[int]:
         return encode(self.tokenizer, prompt)
@@ -82,9 +85,7 @@ class Engine:
         for prompt, p, index in zip(prompts, params, indices):
             try:
                 group = self._make_group(prompt, p, index)
-                chunk = min(self.config.max_num_seqs, self.runner.slots_for(group[0].reserved_len))
-                for k in range(0, len(group), chunk):  # the samples of a chunk share one prefill
-                    self.scheduler.add(group[k : k + chunk])
+                self.scheduler.add(group)  # admitted whole, or in parts as rows and blocks allow
             except ValueError as e:
                 log.warning("request %d rejected: %s", index, e)
                 group = failed_group(self._next_id, index, p, str(e))
@@ -102,9 +103,17 @@ class Engine:
         return group
 
     def _check_fits(self, s: Sequence) -> None:
-        if not self.runner.fits(s.reserved_len):
-            raise ValueError(f"the prompt needs {s.reserved_len} tokens of KV cache per sample but the budget holds "
-                             f"{self.runner.kv.budget_tokens}; raise kv_cache_gb or lower max_tokens")
+        """A prompt (and tokens so far) the whole KV cache cannot hold is rejected; one whose prompt + max_tokens
+        it cannot hold runs, and is cut ("length") only if it really grows that long."""
+        kv = self.runner.kv
+        if not self.runner.fits(s.cache_len + 1):
+            raise ValueError(f"the prompt needs {s.cache_len + 1} positions of KV cache but the cache holds "
+                             f"{(kv.num_blocks - 1) * BLOCK}; raise kv_cache_gb")
+        if not self.runner.fits(s.reserved_len) and not self._warned_fit:
+            self._warned_fit = True
+            log.warning("prompt + max_tokens = %d positions, more than the whole KV cache holds (%d): a response "
+                        "that grows that long is cut there (raise kv_cache_gb)", s.reserved_len,
+                        (kv.num_blocks - 1) * BLOCK)
 
     def has_work(self) -> bool:
         return bool(self._done) or self.scheduler.has_work()
@@ -183,15 +192,20 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepOutput:
         finished, self._done = self._done, []
-        groups = self.scheduler.admit()
+        sched = self.scheduler
+        groups = sched.admit()
+        if not groups and sched.running:
+            sched.make_room(self.lookahead)  # may preempt (those wait) or cut a sequence the pool cannot hold
+        finished += sched.take_dropped()
         if groups:
             record = prefill_pass(self.runner, self.speculator, self.tokenizer, groups)
-        elif self.scheduler.running:
-            record = decode_pass(self.runner, self.speculator, self.tokenizer, self.scheduler.running)
+        elif sched.running:
+            record = decode_pass(self.runner, self.speculator, self.tokenizer, sched.running)
         else:
             record = StepRecord("idle")
-        finished += self.scheduler.release_finished()
-        record.kv_bytes = self.runner.kv.allocated_bytes()
+        finished += sched.release_finished()
+        record.kv_bytes = self.runner.kv.used_bytes()
+        record.preempted, sched.preempted = sched.preempted, 0
         return StepOutput([s.to_completion() for s in finished], record)
 
     def collector(self, ids: list[int]) -> Collector:

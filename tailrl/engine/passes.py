@@ -30,7 +30,7 @@ def prefill_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, 
     fresh, rows = [], []
     for i, (g, chunk) in enumerate(zip(groups, chunks)):
         for s in g[1:]:  # the samples of a prompt share its prefill
-            runner.copy_slot(g[0].slot, s.slot, prefill_len(g[0]))
+            runner.fork(g[0].slot, s.slot, prefill_len(g[0]))
         for s in g:
             s.t_admit, s.hidden = t, [chunk] if chunk is not None else []
         if not g[0].output_ids:
@@ -49,7 +49,8 @@ def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, r
     """One decode pass for every running sequence; with speculation, each verifies its draft tree in the same
     forward and emits 1 + accepted tokens."""
     t0 = time.perf_counter()
-    arm, trees = speculator.plan(running) if speculator is not None else (OFF, None)
+    rooms = [runner.kv.room(s.slot, s.cache_len) for s in running]  # draft rows the rows' blocks hold
+    arm, trees = speculator.plan(running, rooms) if speculator is not None else (OFF, None)
     t1 = time.perf_counter()
     cache_lens = [s.cache_len for s in running]
     logits, hidden, q_lens, depths = runner.decode([s.output_ids[-1] for s in running], cache_lens, trees)

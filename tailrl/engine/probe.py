@@ -138,7 +138,6 @@ def _end_to_end(model: CausalLM) -> list[str]:
     ids = torch.randint(0, c.vocab_size, (P + 40,), generator=g).tolist()
     kv = KVCache(c, 0, model.device, model.dtype)
     kv.layout(3, 2 * CHUNK)
-    kv.ensure(3, 2 * CHUNK)
     dev = model.device
 
     def run(tokens, cache_lens, q_lens, slots, parents=None, last=None):

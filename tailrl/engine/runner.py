@@ -23,10 +23,10 @@ from ..model.step import make_step
 from ..spec.tree import DraftTree
 from .buckets import Bucket, StaticBatch, forward_padded, pick_bucket
 from .graphs import GraphPool
-from ..model.chunked import CHUNK
+from .blocks import blocks_for
 from .kv_cache import KVCache
 
-ALIGN = 16  # cache capacity is rounded up to this many positions
+LOOKAHEAD = 512  # table columns past the context: draft rows and a draft head's tree entries past a sequence
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -49,6 +49,7 @@ class ModelRunner:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         budget = budget_bytes if budget_bytes is not None else default_kv_budget(self.device)
         self.kv = KVCache(model.config, budget, self.device, model.dtype)
+        self.kv.allocate(max_num_seqs, max_model_len + LOOKAHEAD)
         self.capture = capture_hidden
         self.hidden_layers = (model.config.num_hidden_layers,) if capture_hidden else ()
         self.last_forward_s = 0.0
@@ -59,33 +60,16 @@ class ModelRunner:
         self.invariant = invariant
         self.batches: dict[tuple[int, int], StaticBatch] = {}  # (seqs, tokens) -> its static buffers
 
-    # ---- the cache layout ---------------------------------------------------------------------------------
+    # ---- the paged cache ----------------------------------------------------------------------------------
 
-    def fits(self, reserved_len: int) -> bool:
-        """Whether one sequence of this many tokens can ever run (the budget holds one slot of the capacity a
-        layout for it would have, rounded up as `reserve` rounds it)."""
-        return self.slots_for(reserved_len) >= 1
+    def fits(self, length: int) -> bool:
+        """Whether one sequence of this many positions can ever be held (the whole pool, one row's table)."""
+        return blocks_for(length) <= self.kv.num_blocks - 1 and length <= self.kv.capacity
 
-    def slots_for(self, reserved_len: int) -> int:
-        """Slots a layout for sequences of up to this many tokens would have."""
-        return self.kv.slots_for(self._capacity(reserved_len), self.max_num_seqs)
-
-    def _capacity(self, reserved_len: int) -> int:
-        """reserved_len rounded up to ALIGN, but never past the context or the budget (rounding must not make a
-        sequence that fits the budget fail to fit); for invariant passes, which read whole key chunks
-        (model/chunked.py), always to a whole number of chunks."""
-        if self.invariant:
-            return -(-reserved_len // CHUNK) * CHUNK
-        cap = min(-(-reserved_len // ALIGN) * ALIGN, max(self.max_model_len, reserved_len))
-        return max(min(cap, self.kv.budget_tokens), reserved_len)
-
-    def reserve(self, reserved_len: int) -> None:
-        """Lays the cache out for sequences of up to reserved_len tokens; only while no sequence runs. A layout
-        that already holds them is kept, so a rollout of uniform requests allocates once."""
-        if reserved_len <= self.kv.capacity:
-            return
-        cap = self._capacity(reserved_len)
-        self.kv.layout(self.kv.slots_for(cap, self.max_num_seqs), cap)
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """Row dst shares row src's prompt (positions < length) and gets a block for its next token."""
+        self.kv.fork(src, dst, length)
+        self.kv.ensure([dst], length + 1)
 
     @property
     def num_slots(self) -> int:
@@ -95,9 +79,6 @@ class ModelRunner:
     def capacity(self) -> int:
         return self.kv.capacity
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self.kv.copy(src, dst, length)
-
     # ---- forwards -----------------------------------------------------------------------------------------
 
     def _sync(self) -> None:
@@ -106,6 +87,7 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], step, logits_idx=None):
         t = time.perf_counter()
+        self.kv.tables.sync()
         logits, hidden = self.model(torch.tensor(ids, device=self.device), step, self.kv, logits_idx=logits_idx,
                                     hidden_layers=self.hidden_layers)
         self._sync()
@@ -114,34 +96,32 @@ class ModelRunner:
 
     def prefill(self, token_lists: list[list[int]], slots: list[int]):
         """Writes each list's K/V into its slot from position 0. Returns (logits at each list's last token [N, V],
-        hidden [sum(lens), H] or None). A batch-invariant pass gives each list's K/V and logits the bits it would
-        have alone, or in decode passes (engine/invariant.py), so prompts admitted together share one pass."""
+        hidden [sum(lens), H] or None); the rows hold blocks for them (the scheduler grew them). A batch-invariant
+        pass gives each list's K/V and logits the bits it would have alone, or in decode passes (engine/invariant.py),
+        so prompts admitted together share one pass."""
         lens = [len(t) for t in token_lists]
-        self.kv.ensure(max(slots) + 1, self._keys_read(max(lens) + 1))
         step = make_step([0] * len(lens), lens, slots, self.device, invariant=self.invariant)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         return self._forward([t for toks in token_lists for t in toks], step, logits_idx=last)
 
     def decode(self, roots: list[int], cache_lens: list[int], trees: list[DraftTree | None] | None):
         """One pass over running slots 0..B-1: each sequence's last emitted token (the root) and its draft tree's
-        nodes. Returns (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None), the same whether the
-        pass ran padded (graph or eager) or not. A batch-invariant pass reads each sequence's own keys in fixed
-        chunks (engine/invariant.py)."""
+        nodes; each row holds blocks for its tree (Scheduler.make_room, and trees no larger than the room). Returns
+        (logits [T, V], hidden [T, H] or None, q_lens, depths [T] or None), the same whether the pass ran padded
+        (graph or eager) or not. A batch-invariant pass reads each sequence's own keys in fixed chunks
+        (engine/invariant.py)."""
         B = len(roots)
         self.last_capture_s = 0.0
         trees = trees if trees and any(trees) else None
         q_lens = [1 + len(t) if t else 1 for t in trees] if trees else [1] * B
         inv = dict(invariant=self.invariant)
-        if self.invariant:
-            self.kv.ensure(B, self._keys_read(max(c + q for c, q in zip(cache_lens, q_lens))))
-        else:
+        if not self.invariant:
             max_k = max(c + q for c, q in zip(cache_lens, q_lens))
             bucket = self._bucket(B, max(q_lens), max_k)
             if bucket is not None:
                 out = self._decode_padded(bucket, roots, trees, cache_lens)
                 if out is not None:
                     return out[0], out[1], q_lens, out[2]
-            self.kv.ensure(B, max_k)
         if trees is None:
             logits, hidden = self._forward(roots, make_step(cache_lens, q_lens, list(range(B)), self.device, **inv))
             return logits, hidden, q_lens, None
@@ -150,10 +130,6 @@ class ModelRunner:
                          tree_parents=torch.tensor(parents, device=self.device), **inv)
         logits, hidden = self._forward(ids, step)
         return logits, hidden, q_lens, step.depths
-
-    def _keys_read(self, length: int) -> int:
-        """Cache positions a pass reaching `length` keys reads: whole chunks for an invariant pass."""
-        return min(-(-length // CHUNK) * CHUNK, self.kv.capacity) if self.invariant else length
 
     def _bucket(self, B: int, max_q: int, max_k: int) -> Bucket | None:
         if self.graphs is None and not self.pad:
@@ -171,7 +147,7 @@ class ModelRunner:
         batch = self.batches.get(key)
         if batch is None:
             batch = self.batches[key] = StaticBatch(bucket.seqs, bucket.tokens, self.device)
-        self.kv.ensure(bucket.seqs, bucket.keys)
+        self.kv.tables.sync()
         rows = batch.fill(roots, trees, cache_lens)
 
         def fn():

@@ -1,16 +1,29 @@
-"""Continuous batching: which sample groups join the running batch this step, and slot bookkeeping.
+"""Continuous batching on a paged KV cache: which sample groups join the running batch, the blocks each running
+sequence holds, and preemption when the pool runs short.
 
-Groups (the n samples of one prompt, or one imported sequence) are admitted FIFO while the cache layout has a
-free slot for each and the group's longest possible sequence fits a slot; a finished sequence leaves at once
-and the last running one moves into its slot. When nothing runs, the cache is laid out for the longest
-waiting request, so a rollout of similar requests allocates its cache once."""
+Admission is optimistic (vLLM's, SGLang's): a group (the n samples of one prompt, or one imported or preempted
+sequence) joins while a row is free and the blocks its prefill takes (its prompt once, plus one block per further
+sample: the fork's copy of the partial last block) leave at least `watermark` blocks free. Nothing is reserved
+for `max_tokens`. Before each decode pass every running sequence gets a block for its next token; when the pool
+is short the most recently admitted sequences are preempted: their blocks go back and they wait at the front of
+the queue, to be recomputed by a prefill of prompt and tokens so far. Noise is keyed by (seed, position) and a
+batch-invariant prefill gives a token the bits decoding gave it, so a preempted sequence emits the very tokens it
+would have emitted (tests/test_paged.py). A sequence that outgrows the whole pool alone finishes ("length", with
+an error naming the numbers) and the rest goes on.
+
+Running sequences occupy rows 0..B-1 of the block tables: a finished sequence's row is taken over by the last
+running one (its table moves, no K/V is copied)."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
+from .blocks import BLOCK, blocks_for
 from .runner import ModelRunner
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def prefill_len(s: Sequence) -> int:
@@ -19,12 +32,18 @@ def prefill_len(s: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int, watermark: float = 0.01):
         self.runner = runner
-        self.max_num_seqs = max_num_seqs
+        self.kv = runner.kv
+        self.max_num_seqs = min(max_num_seqs, runner.num_slots)
         self.max_prefill_tokens = max_prefill_tokens
+        self.watermark = max(int(watermark * (self.kv.num_blocks - 1)), 1)
         self.waiting: deque[list[Sequence]] = deque()
-        self.running: list[Sequence] = []  # running[i] lives in KV slot i
+        self.running: list[Sequence] = []  # running[i] lives in row i of the block tables
+        self.dropped: list[Sequence] = []  # finished outside a pass (cannot fit the pool): the engine returns them
+        self.preempted = 0  # preemptions since the last take_counts
+        self.order: dict[int, int] = {}  # seq_id -> admission number (preemption takes the newest)
+        self._admitted = 0
 
     def add(self, group: list[Sequence]) -> None:
         self.waiting.append(group)
@@ -37,31 +56,78 @@ class Scheduler:
         return sum(len(g) for g in self.waiting)
 
     def admit(self) -> list[list[Sequence]]:
-        if not self.running and self.waiting:
-            self.runner.reserve(max(g[0].reserved_len for g in self.waiting))
         admitted: list[list[Sequence]] = []
-        slots = min(self.max_num_seqs, self.runner.num_slots)
-        prefill_tokens = 0
+        prefill_tokens = forks = 0  # forks: blocks the admitted groups' further samples take after the prefill
         while self.waiting:
             group = self.waiting[0]
-            free, plen = slots - len(self.running), prefill_len(group[0])
-            if group[0].reserved_len > self.runner.capacity or free < 1:
-                break  # waits for the running batch to drain (then the cache is laid out for it)
-            if admitted and prefill_tokens + plen > self.max_prefill_tokens:
+            free_rows, plen = self.max_num_seqs - len(self.running), prefill_len(group[0])
+            if free_rows < 1 or (admitted and prefill_tokens + plen > self.max_prefill_tokens):
                 break
-            if len(group) > free:  # a group larger than the free slots is split; each part prefills
-                self.waiting[0] = group[free:]
-                group = group[:free]
+            lead = blocks_for(plen + 1)  # the prompt and the first sampled token's position
+            idle = not self.running and not admitted
+            spare = self.kv.tables.num_free - forks - (0 if idle else self.watermark)
+            k = min(len(group), free_rows, spare - lead + 1)  # samples that fit: lead + (k - 1) blocks
+            if k < 1:
+                if idle:  # the empty pool cannot hold its prompt
+                    self.waiting.popleft()
+                    self._drop(group, f"its {plen} tokens need {lead} KV blocks of {BLOCK} tokens; the cache "
+                                      f"holds {self.kv.num_blocks - 1}: raise kv_cache_gb")
+                    continue
+                break
+            if k < len(group):  # the rest of the group waits; each part prefills
+                self.waiting[0] = group[k:]
+                group = group[:k]
             else:
                 self.waiting.popleft()
             for seq in group:
                 seq.slot = len(self.running)
                 self.running.append(seq)
+                self._admitted += 1
+                self.order[seq.seq_id] = self._admitted
+            self.kv.ensure([group[0].slot], plen + 1)  # siblings fork it after the prefill (engine/passes.py)
             admitted.append(group)
             prefill_tokens += plen
-            if len(self.running) == slots:
-                break
+            forks += len(group) - 1
         return admitted
+
+    def make_room(self, lookahead: int = 0) -> None:
+        """Before a decode pass: each running sequence gets a block for its next root, oldest first, preempting
+        the newest while the pool is short; then, while more than the watermark stays free, room for `lookahead`
+        draft rows past it."""
+        for s in sorted(self.running, key=lambda s: self.order[s.seq_id]):
+            while s.slot >= 0 and not self.kv.grow(s.slot, s.cache_len + 1):
+                victim = max(self.running, key=lambda r: self.order[r.seq_id])
+                if victim is s and len(self.running) == 1:
+                    held = self.kv.tables.held(s.slot)
+                    self.remove_running([s])
+                    self._drop([s], f"the sequence outgrew the whole KV cache: {s.cache_len + 1} positions need "
+                                    f"{blocks_for(s.cache_len + 1)} blocks of {BLOCK}, the cache holds "
+                                    f"{self.kv.num_blocks - 1} ({held} positions held); raise kv_cache_gb",
+                               reason="length")
+                    break
+                self.preempt(victim)
+        if lookahead:
+            for s in self.running:
+                if self.kv.tables.num_free > self.watermark + 2:
+                    want = min(s.cache_len + 1 + lookahead, s.reserved_len)
+                    self.kv.grow(s.slot, want)
+
+    def preempt(self, s: Sequence) -> None:
+        """Gives s's blocks back; it waits at the front of the queue and is recomputed (prompt and tokens so far)."""
+        self.remove_running([s])
+        self.order.pop(s.seq_id, None)
+        self.waiting.appendleft([s])
+        self.preempted += 1
+
+    def _drop(self, seqs: list[Sequence], why: str, reason: str = "error") -> None:
+        log.warning("request %d: %s", seqs[0].prompt_index, why)
+        for s in seqs:
+            s.finish(reason, why)
+        self.dropped.extend(seqs)
+
+    def take_dropped(self) -> list[Sequence]:
+        out, self.dropped = self.dropped, []
+        return out
 
     def release_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
@@ -70,12 +136,14 @@ class Scheduler:
 
     def remove_running(self, seqs: list[Sequence]) -> None:
         for seq in sorted(seqs, key=lambda s: -s.slot):  # fill holes from the end, highest hole first
+            self.kv.release(seq.slot)
             last = self.running[-1]
             if last is not seq:
-                self.runner.copy_slot(last.slot, seq.slot, last.cache_len)
+                self.kv.move_row(last.slot, seq.slot)
                 last.slot = seq.slot
                 self.running[seq.slot] = last
             self.running.pop()
+            self.order.pop(seq.seq_id, None)
             seq.slot = -1
 
     def remove(self, ids: set[int]) -> list[Sequence]:

@@ -8,10 +8,13 @@ caller sets `total_s` to the wall time)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field, fields
 
 from ..spec.selector import batch_bucket
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,7 +33,8 @@ class StepRecord:
     verify_s: float = 0.0  # sampling, acceptance, KV compaction, bookkeeping
     total_s: float = 0.0
     plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
-    kv_bytes: int = 0
+    kv_bytes: int = 0  # KV blocks in use after the step
+    preempted: int = 0  # sequences preempted before the step's pass (to be recomputed)
     capture_s: float = 0.0  # CUDA-graph capture in this step (one-time per bucket; not in forward_s or total_s)
 
 
@@ -44,6 +48,8 @@ class GenerateStats:
     total_s: float = 0.0
     generated_tokens: int = 0
     peak_kv_bytes: int = 0
+    preemptions: int = 0
+    peak_running: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # decode batch size -> steps
     draft_s: float = 0.0  # proposing drafts
     forward_s: float = 0.0  # decode / verification forwards
@@ -63,6 +69,7 @@ class GenerateStats:
         self.capture_s += r.capture_s
         self.generated_tokens += r.emitted
         self.peak_kv_bytes = max(self.peak_kv_bytes, r.kv_bytes)
+        self.preemptions += r.preempted
         if r.kind == "prefill":
             self.prefill_steps += 1
             self.prefill_s += r.total_s
@@ -70,6 +77,7 @@ class GenerateStats:
         if r.kind != "decode":
             return
         B, s = r.batch, r.total_s
+        self.peak_running = max(self.peak_running, B)
         self.decode_steps += 1
         self.decode_s += s
         self.draft_s += r.draft_s
@@ -96,7 +104,7 @@ class GenerateStats:
         """Adds other's counts into self (in place) and returns self."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("peak_kv_bytes", "tail_batch"):
+            if f.name in ("peak_kv_bytes", "tail_batch", "peak_running"):
                 setattr(self, f.name, max(a, b))
             elif f.name == "stale":
                 a.update({k: max(a.get(k, 0.0), v) for k, v in b.items()})
@@ -138,6 +146,8 @@ class GenerateStats:
                "choices": self.choices}
         if self.capture_s:
             out["cuda_graph_capture_s"] = round(self.capture_s, 3)
+        out.update(peak_running=self.peak_running, peak_kv_gb=round(self.peak_kv_bytes / 2**30, 4),
+                   preemptions=self.preemptions)
         for name, d in self.drafters.items():
             out[f"accept_length/{name}"] = round(self.accept_length(name), 3)
             out[f"drafted/{name}"], out[f"accepted/{name}"] = d["drafted"], d["accepted"]
@@ -147,7 +157,8 @@ class GenerateStats:
     def metrics(self) -> dict[str, float]:
         """The rollout's speculation metrics for a training log (spec/...)."""
         out = {"spec/accept_length": self.mean_accept_length, "spec/speedup_est": self.speedup_est,
-               "spec/tail_tokens_per_s": self.tail_tokens_per_s}
+               "spec/tail_tokens_per_s": self.tail_tokens_per_s, "rollout/preemptions": self.preemptions,
+               "rollout/peak_kv_gb": self.peak_kv_bytes / 2**30, "rollout/peak_running": self.peak_running}
         out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
         out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
         if self.capture_s:
@@ -190,6 +201,10 @@ class Collector:
     def result(self) -> Completions:
         """One completion per id, in the order of ids; `.stats` with the wall time since the collector began."""
         self.stats.total_s = time.perf_counter() - self.t0
+        if self.stats.preemptions > 0.1 * len(self.ids):
+            log.warning("%d preemptions for %d sequences: the KV cache is too small for this rollout's lengths; "
+                        "each preempted sequence is recomputed (raise kv_cache_gb or lower max_num_seqs)",
+                        self.stats.preemptions, len(self.ids))
         result = Completions(self.done[i] for i in self.ids)
         result.stats = self.stats
         return result

@@ -42,8 +42,7 @@ class ChunkCall:
     pairs: torch.Tensor  # [n] (sequence, chunk) pair of each item, or [1] when every item reads the same one
     rows: torch.Tensor  # [n, QUERY_BLOCK] packed token index of each query row (T: a zero row, padding)
     mask: torch.Tensor  # [n, 1, QUERY_BLOCK, CHUNK] bool, True = the row sees that key
-    shared: bool  # all items read pairs[0]: the keys are one chunk expanded, not gathered
-    view: tuple[int, int, int] | None = None  # (first slot, end slot, chunk): the items' keys are a view of the cache
+    shared: bool  # all items read pairs[0]: the keys are one chunk expanded, not gathered per item
     _bias: dict = None  # dtype -> (additive mask [n, 1, R, CHUNK] for `group` query heads a row, seen [n, 1, R])
 
     def bias(self, group: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +103,8 @@ def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc:
         for it in items:
             item_of[it] = len(item_of)
         bjc = torch.tensor(items, dtype=torch.long, device=dev)
-        first = slots[keys[pairs[0]][0]]
-        run = [slots[keys[p][0]] for p in pairs] == list(range(first, first + len(pairs)))
         calls.append(ChunkCall(torch.tensor(pairs, dtype=torch.long, device=dev),
-                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared,
-                               (first, first + len(pairs), keys[pairs[0]][1]) if run and not shared else None))
+                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared))
     n_items = len(item_of)
     width = max(len(ch) for ch in blocks)
     grid = torch.full((len(blocks), width), n_items, dtype=torch.long)
@@ -169,29 +165,24 @@ def kernel(q, keys, vals, mask, bias=None):
     return o, lse[..., : q.shape[2]]
 
 
-def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """q [T, heads, D] packed; k/v_cache [slots, kv_heads, capacity, D] with capacity a multiple of CHUNK.
-    Returns [T, heads * D]."""
+def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: ChunkPlan,
+                      blocks: list[torch.Tensor]) -> torch.Tensor:
+    """q [T, heads, D] packed; k/v_pool [num_blocks, block, kv_heads, D], a paged cache whose block size divides
+    CHUNK; blocks[i]: the pool blocks of call i's items' key chunks, item after item (one item's when the call is
+    `shared`). Returns [T, heads * D]."""
     T, H, D = q.shape
-    kvh = k_cache.shape[1]
+    kvh = k_pool.shape[2]
     group = H // kvh
     R = group * QUERY_BLOCK
-    kc = k_cache.view(k_cache.shape[0], kvh, -1, CHUNK, D)
-    vc = v_cache.view(v_cache.shape[0], kvh, -1, CHUNK, D)
     qz = torch.cat([q, q.new_zeros(1, H, D)])
     outs, lses = [], []
-    for call in plan.calls:
+    for call, blk in zip(plan.calls, blocks):
         n = call.rows.shape[0]
         qi = qz[call.rows].view(n, QUERY_BLOCK, kvh, group, D).permute(0, 2, 3, 1, 4).reshape(n, kvh, R, D)
-        if call.view is not None:  # consecutive slots at one chunk: no copy
-            s0, s1, ch = call.view
-            keys, vals = kc[s0:s1, :, ch], vc[s0:s1, :, ch]
-        else:
-            s, ch = plan.pair_slot[call.pairs], plan.pair_chunk[call.pairs]
-            if call.shared:
-                keys, vals = (x[s[0], :, ch[0]].unsqueeze(0).expand(n, -1, -1, -1) for x in (kc, vc))
-            else:
-                keys, vals = kc[s, :, ch], vc[s, :, ch]
+        # an item's chunk: its blocks gathered in order, [CHUNK, kv_heads, D] viewed as [kv_heads, CHUNK, D]
+        keys, vals = (p.index_select(0, blk).view(-1, CHUNK, kvh, D).transpose(1, 2) for p in (k_pool, v_pool))
+        if call.shared:
+            keys, vals = keys.expand(n, -1, -1, -1), vals.expand(n, -1, -1, -1)
         bias, seen = call.bias(group, q.dtype)
         o, lse = kernel(qi, keys, vals, None, bias)
         outs.append(o.float())

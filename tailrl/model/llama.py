@@ -120,24 +120,20 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
-        """Writes the new tokens' K/V at (token_slot, token_pos), then attends: a causal step (whole prompts from
-        position 0) over the new tokens with the causal kernel, any other over the cache under step.mask."""
+        """Writes the new tokens' K/V at their rows' (slot, position) in the paged cache `kv` (engine/kv_cache.py),
+        then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
+        invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
+        gathered up to the pass's longest, under step.mask."""
         q, k, v = self._qkv(x, cos, sin)  # [T, heads, D] (an invariant pass: padded to whole row tiles)
-        k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]  # [slots, n_kv, capacity, D]
         T = step.token_pos.shape[0]
-        k_cache[step.token_slot, :, step.token_pos] = k[:T]
-        v_cache[step.token_slot, :, step.token_pos] = v[:T]
+        kv.write(self.layer_idx, step, k[:T], v[:T])
         if step.chunks is not None:  # written before it is read: a row sees its own key (model/chunked.py)
-            return self.o_proj(pad_rows(chunked_attention(q[:T], k_cache, v_cache, step.chunks), x.shape[0]))
+            o = chunked_attention(q[:T], *kv.pools(self.layer_idx), step.chunks, kv.chunk_blocks(step))
+            return self.o_proj(pad_rows(o, x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
         else:
-            if step.slot_range is not None:
-                s0, s1 = step.slot_range
-                keys, vals = k_cache[s0:s1, :, : step.max_k], v_cache[s0:s1, :, : step.max_k]
-            else:
-                keys, vals = k_cache[step.slots, :, : step.max_k], v_cache[step.slots, :, : step.max_k]
-            o = self._attend(q, keys, vals, step)
+            o = self._attend(q, *kv.keys(self.layer_idx, step), step)
         return self.o_proj(o)
 
     def _pad(self, t: torch.Tensor, step: StepMeta) -> torch.Tensor:

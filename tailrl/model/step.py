@@ -22,10 +22,9 @@ from .chunked import ROW_TILE, ChunkPlan, plan_chunks
 @dataclass
 class StepMeta:
     positions: torch.Tensor  # [T] RoPE positions of the new tokens (packed, sequence after sequence)
-    token_slot: torch.Tensor  # [T] cache slot each new token writes to
-    token_pos: torch.Tensor  # [T] cache index each new token writes to
-    slots: torch.Tensor  # [B] cache slot of each sequence
-    slot_range: tuple[int, int] | None  # slots are start..end-1 in order: keys are a view, not a gather
+    token_slot: torch.Tensor  # [T] cache row (slot) each new token writes to
+    token_pos: torch.Tensor  # [T] position in its row each new token writes to (the cache maps it to a block)
+    slots: torch.Tensor  # [B] cache row of each sequence
     q_lens: list[int]
     max_q: int
     max_k: int
@@ -94,10 +93,8 @@ def make_step(
     token_pos = cl[seq_of_token] + offset
     uniform = all(q == max_q for q in q_lens)
     pad_idx = None if uniform else seq_of_token * max_q + offset
-    contiguous = all(slots[k] == slots[0] + k for k in range(B))
     st = torch.tensor(slots, dtype=torch.long, device=dev)
-    meta = dict(token_slot=st[seq_of_token], token_pos=token_pos, slots=st,
-                slot_range=(slots[0], slots[0] + B) if contiguous else None, q_lens=list(q_lens), max_q=max_q,
+    meta = dict(token_slot=st[seq_of_token], token_pos=token_pos, slots=st, q_lens=list(q_lens), max_q=max_q,
                 max_k=max_k, pad_idx=pad_idx)
     is_tree = tree_parents is not None or tree_masks is not None
     if invariant:
@@ -171,7 +168,6 @@ def make_padded_step(cache_lens: torch.Tensor, q_lens: torch.Tensor, parents: to
         token_slot=torch.arange(B, device=dev).view(B, 1).expand(B, Q).reshape(-1),
         token_pos=torch.where(flat_real, (c + rows.view(1, Q)).reshape(-1), scratch),
         slots=torch.arange(B, device=dev),
-        slot_range=(0, B),
         q_lens=[Q] * B,
         max_q=Q,
         max_k=num_keys,

@@ -84,12 +84,15 @@ class Speculator:
 
     # ---- drafting -------------------------------------------------------------------------------------------
 
-    def plan(self, running: list) -> tuple[Arm, list[DraftTree | None] | None]:
+    def plan(self, running: list, kv_rooms: list[int] | None = None) -> tuple[Arm, list[DraftTree | None] | None]:
+        """kv_rooms: per sequence, the draft rows its KV blocks hold (none asked: no bound but max_tokens)."""
         arm = self._arm = self.selector.choose(len(running))
         self._trees = []
         if arm == OFF:
             return arm, None
-        rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens (or the KV)
+        rooms = [s.max_tokens - len(s.output_ids) - 1 for s in running]  # never draft past max_tokens or the KV
+        if kv_rooms is not None:
+            rooms = [min(r, k) for r, k in zip(rooms, kv_rooms)]
         left = [self.lengths.remaining(s.prompt_ids, len(s.output_ids)) for s in running]
         wanted = das_budgets(arm.budget, left, max(self.cfg.budgets), share=self.cfg.das == "share")
         budgets = [max(min(b, r), 0) for b, r in zip(wanted, rooms)]
