@@ -86,7 +86,7 @@ def bare_forward_ms(eng, prompt_ids: list[int], n: int) -> float:
     from tailrl.model import make_step
 
     P = len(prompt_ids)
-    eng.kv.ensure(1, P + n + 1)
+    eng.kv.ensure([0], P + n + 1)
     with torch.inference_mode():
         eng.model(torch.tensor(prompt_ids), make_step([0], [P], [0]), eng.kv)
         ids = torch.tensor([prompt_ids[-1]])

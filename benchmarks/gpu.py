@@ -32,7 +32,7 @@ TOKENS = (1, 2, 4, 8, 16, 32)
 
 def runner(model, B: int, ctx: int, graphs: bool, pad: bool) -> ModelRunner:
     r = ModelRunner(model, None, B, ctx + 64, cuda_graphs=graphs, graph_budget_bytes=8 * 2**30, pad=pad)
-    r.reserve(ctx + 40)
+    r.kv.ensure(list(range(B)), ctx + 40)
     g = torch.Generator().manual_seed(B)
     prompts = torch.randint(0, model.config.vocab_size, (B, ctx), generator=g).tolist()
     for i in range(0, B, 4):  # prefill in small groups: the prefill's own size must not set the memory peak

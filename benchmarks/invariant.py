@@ -87,7 +87,6 @@ def decode_steps(model, context: int = 150, reps: int = 5) -> None:
     for B in (1, 8, 64):
         kv = KVCache(model.config, 2 << 30, "cpu", torch.bfloat16)
         kv.layout(B, 256)
-        kv.ensure(B, 256)
         ids = torch.randint(0, 1000, (B,))
         rate = {}
         with torch.inference_mode():

@@ -73,7 +73,6 @@ def test_chunked_attention_matches_dense_attention_in_fp32(tiny_ckpt):
         for invariant in (False, True):
             kv = KVCache(model.config, 64 << 20, "cpu", torch.float32)
             kv.layout(4, 3 * CHUNK)
-            kv.ensure(4, 3 * CHUNK)
             pre = model(torch.cat(prompts), make_step([0] * 4, cache, [0, 1, 2, 3], invariant=invariant), kv)[0]
             step = make_step(cache, q_lens, [0, 1, 2, 3], tree_parents=parents, invariant=invariant)
             assert (step.chunks is not None) == invariant and (step.mask is None) == invariant
@@ -110,7 +109,6 @@ def test_bf16_prefill_and_decode_give_a_token_the_same_bits(smollm_bf16):
     with torch.inference_mode():
         kv = KVCache(model.config, 256 << 20, "cpu", torch.bfloat16)
         kv.layout(2, 2 * CHUNK)
-        kv.ensure(2, 2 * CHUNK)
         alone = model(ids, make_step([0], [len(ids)], [0], invariant=True), kv)[0]
         together = model(torch.cat([short, ids]), make_step([0, 0], [30, len(ids)], [1, 0], invariant=True), kv)[0]
         P = len(ids) - 1

@@ -1,0 +1,115 @@
+"""What `max_tokens` and the KV budget cost a rollout (issue 34): SmolLM2-135M, bf16, CPU, spec off.
+
+Three parts, each printing a table; run it once per engine version (the public API only, so the same script
+measures the slot layout of an older checkout: `PYTHONPATH=<old checkout> python benchmarks/long_tail.py`):
+
+- `fixed`: 64 requests whose responses are cut at exactly 64 tokens by the driver (greedy, ignore_eos; each
+  sequence is aborted at its 64th token), while `max_tokens` is 128, 1024, 4096 and the most the context allows.
+  A cache that reserves prompt + max_tokens per sequence pays for max_tokens; a paged one for what is held.
+- `budget`: 16 arithmetic prompts x 8 samples, T=0.7, at a 0.5 GB budget, max_tokens 1024 and 4096: peak running
+  sequences, peak KV bytes, wall time, preemptions.
+- `issue`: the issue's table (16 x 8, T=0.7; max_tokens 128 and 1024; budgets 8 and 0.5 GB).
+
+    .venv/bin/python benchmarks/long_tail.py --parts fixed budget issue [--label paged]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+
+
+def arithmetic_prompts(n: int) -> list:
+    from tailrl.config import Config
+    from tailrl.rl.data import chat_prompt
+    from tailrl.rl.tasks import make_rows
+
+    system = Config().data.system_prompt
+    return [chat_prompt(r["prompt"], system) for r in make_rows("arithmetic", n, seed=0)]
+
+
+def engine(model, tok, gb: float) -> Engine:
+    return Engine(model, tok, EngineConfig(kv_cache_gb=gb, seed=0))
+
+
+def run_cut(eng: Engine, prompts: list, params: SamplingParams, cut: int) -> tuple[float, int, int]:
+    """Drives the engine, aborting each sequence at `cut` tokens. Returns (wall s, tokens, peak running)."""
+    t = time.perf_counter()
+    eng.add_requests(prompts, params)
+    tokens = peak = 0
+    while eng.has_work():
+        out = eng.step()
+        tokens += out.record.emitted
+        running = eng.scheduler.running
+        peak = max(peak, len(running))
+        done = [s.seq_id for s in running if len(s.output_ids) >= cut]
+        if done:
+            eng.abort(done)
+    return time.perf_counter() - t, tokens, peak
+
+
+def part_fixed(model, tok, label: str) -> None:
+    prompts = arithmetic_prompts(64)
+    longest = max(len(tok.apply_chat_template(p, add_generation_prompt=True)) for p in prompts)
+    ctx = model.config.max_position_embeddings
+    print(f"\n### {label}: 64 requests, responses cut at 64 tokens, greedy, bf16, 8 GB budget\n")
+    print("| max_tokens | wall s | decode tok/s | peak running | wall / wall at 128 |")
+    print("|---|---|---|---|---|")
+    base = None
+    for mt in (128, 1024, 4096, ctx - longest):
+        eng = engine(model, tok, 8.0)
+        wall, tokens, peak = run_cut(eng, prompts, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True), 64)
+        base = base or wall
+        print(f"| {mt} | {wall:.1f} | {tokens / wall:.1f} | {peak} | {wall / base:.2f}x |", flush=True)
+
+
+def part_budget(model, tok, label: str) -> None:
+    prompts = arithmetic_prompts(16)
+    print(f"\n### {label}: 16 arithmetic prompts x 8 samples, T=0.7, 0.5 GB KV budget\n")
+    print("| max_tokens | wall s | tokens | peak running | peak KV MB | preemptions |")
+    print("|---|---|---|---|---|---|")
+    for mt in (1024, 4096):
+        eng = engine(model, tok, 0.5)
+        t = time.perf_counter()
+        outs = eng.generate(prompts, SamplingParams(n=8, temperature=0.7, max_tokens=mt, seed=0))
+        wall, st = time.perf_counter() - t, outs.stats
+        tokens = sum(len(o.token_ids) for o in outs)
+        peak = max(st.batch_sizes) if st.batch_sizes else 0
+        pre = getattr(st, "preemptions", "n/a")
+        print(f"| {mt} | {wall:.1f} | {tokens} | {peak} | {st.peak_kv_bytes / 2**20:.0f} | {pre} |", flush=True)
+
+
+def part_issue(model, tok, label: str) -> None:
+    prompts = arithmetic_prompts(16)
+    print(f"\n### {label}: the issue's table (16 x 8, T=0.7, spec off)\n")
+    print("| max_tokens | KV budget | wall s | tokens | responses at the cap |")
+    print("|---|---|---|---|---|")
+    for mt, gb in ((128, 8.0), (128, 0.5), (1024, 8.0), (1024, 0.5)):
+        eng = engine(model, tok, gb)
+        t = time.perf_counter()
+        outs = eng.generate(prompts, SamplingParams(n=8, temperature=0.7, max_tokens=mt, seed=0))
+        wall = time.perf_counter() - t
+        tokens = sum(len(o.token_ids) for o in outs)
+        capped = sum(o.finish_reason == "length" for o in outs)
+        print(f"| {mt} | {gb} GB | {wall:.1f} | {tokens} | {capped} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["fixed", "budget", "issue"], choices=["fixed", "budget", "issue"])
+    ap.add_argument("--label", default="this checkout")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    for part in args.parts:
+        {"fixed": part_fixed, "budget": part_budget, "issue": part_issue}[part](model, tok, args.label)
+
+
+if __name__ == "__main__":
+    main()
