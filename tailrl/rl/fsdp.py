@@ -30,6 +30,7 @@ def apply_fsdp(model: torch.nn.Module, mode: str, offload: bool = False, checkpo
     register_fsdp_forward_method(model, "forward_shared")
     for m in [*model.model.layers, model]:
         m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
 
 
 def checkpoint_layer(layer: torch.nn.Module) -> None:

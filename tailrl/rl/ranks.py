@@ -55,6 +55,13 @@ class Ranks:
 SINGLE = Ranks()
 
 
+def reshard(ranks: Ranks, model) -> None:
+    """The root's shards back in place after a forward without backward (FSDP2 keeps the root gathered after
+    its forward), so that the module's parameters are the sharded ones the optimizer holds."""
+    if ranks.world > 1 and model is not None:
+        model.reshard()
+
+
 def rank_micros(ranks: Ranks, batch: Batch, rows: list[int], size: int, tokens: int = 0) -> list:
     """This rank's micro-batches of rows, then `None` (a padding pass) up to the count of the busiest rank."""
     if ranks.world == 1:
@@ -81,6 +88,7 @@ def shared_logprobs(ranks: Ranks, model, batch: Batch, micro: int, temperature: 
                 padding_pass(model, batch, temperature, autocast, grad=False)
                 continue
             out[ids] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+    reshard(ranks, model)
     return ranks.all_reduce_(out)
 
 

@@ -26,7 +26,7 @@ from .algos import aggregate, kl_penalty, policy_loss
 from .forward import Batch, sequence_logprobs
 from .packing import packed_tokens, segments
 from .precision import Precision
-from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, shared_logprobs
+from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, reshard, shared_logprobs
 
 STATS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
          "actor/tis_weight")
@@ -135,6 +135,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         if k == 0:  # every rank's first-mini-batch logprobs (each row computed by one rank), then the rest's
             old = ranks.all_reduce_(old).add_(old_rest)
         step = ranks.sum_floats(step)
+        reshard(ranks, policy)
         if not rows:  # no gradient to compute: AdamW still steps, on zeros
             step["actor/tis_weight"] = 1.0
             for p in prec.master.parameters():
