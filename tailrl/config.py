@@ -132,6 +132,14 @@ class TrainerCfg:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project: str = ""  # W&B project (empty: $WANDB_PROJECT, else tailrl)
     run_name: str = ""  # W&B run name (empty: the run folder's name)
+    # trainer processes: 1 = this process; N = N ranks (Ray actors, one GPU each where there are GPUs, else one CPU)
+    # in one torch.distributed group, the policy and AdamW sharded with FSDP2 (README, Scaling out)
+    world_size: int = 1
+    collective_timeout_s: float = 600.0  # a rank that dies or hangs stops the run within this (world_size > 1)
+    # world_size > 1 on GPUs: AdamW state and master weights live on the CPU (FSDP2's CPUOffloadPolicy); off by
+    # default: it trades GPU memory for host transfers every step, worth it only when the shards do not fit
+    offload: bool = False
+    activation_checkpointing: bool = False  # world_size > 1: recompute each layer's activations in the backward
 
 
 @dataclass
@@ -173,6 +181,8 @@ class Config:
             (self.rollout.workers >= 1 and self.rollout.worker_threads >= 1, "rollout.workers",
              ">= 1 (and rollout.worker_threads >= 1)"),
             (self.trainer.keep_checkpoints >= 1, "trainer.keep_checkpoints", ">= 1"),
+            (self.trainer.world_size >= 1 and self.trainer.collective_timeout_s > 0, "trainer.world_size",
+             ">= 1 (and trainer.collective_timeout_s > 0)"),
             (self.trainer.max_skipped_steps >= 1, "trainer.max_skipped_steps", ">= 1"),
             (not (self.trainer.resume and self.trainer.overwrite), "trainer.resume",
              "false when trainer.overwrite=true (continue the run, or replace it: not both)"),

@@ -39,7 +39,8 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("model", f"{cfg.model.path} ({_count(params)} parameters)"),
         ("precision", f"engine {_dtype(trainer.engine.model.dtype)}"
                       + (" (batch-invariant)" if trainer.engine.runner.invariant else "")
-                      + f"; trainer fp32 master + AdamW, compute {trainer.prec.mode}"),
+                      + f"; trainer fp32 master + AdamW, compute {trainer.actor.mode}"
+                      + (f", {t.world_size} ranks (FSDP2)" if t.world_size > 1 else "")),
         ("device", f"{device}{threads}"),
         ("data", f"{source}: {len(trainer.train_set)} train / {len(trainer.eval_set)} eval prompts"),
         ("reward", ", ".join(cfg.reward.functions)),

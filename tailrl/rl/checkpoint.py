@@ -1,6 +1,8 @@
 """RL checkpoints: `run/checkpoints/step_NNNNNN/` with the policy (HF safetensors), the trainer state (optimizer,
 RNG, step, data position, history index, drafter trainer: trainer_state.json + trainer_state.safetensors, see
-state_io.py), the config and the learned drafter head.
+state_io.py), the config and the learned drafter head. A run of N trainer ranks also writes `dcp/`: the ranks'
+shards of the fp32 weights and AdamW's moments (sharded_io.py), which any world size resumes from; its `model/`
+is the HF export, written a layer at a time.
 
 Invariants:
 - A checkpoint exists whole or not at all: it is written to `.tmp_step_N` and renamed; `latest` is replaced
@@ -8,7 +10,7 @@ Invariants:
   checkpoint and `latest` as they were.
 - A policy with a non-finite weight is never written.
 - Loading runs no code from the folder: every file is safetensors or JSON (a drafter's hot_token_ids.pt is read
-  with torch.load(weights_only=True)). An old checkpoint whose state is a pickle (trainer_state.pt) is read only
+  with torch.load(weights_only=True); DCP's pickled metadata with an allow-list unpickler, sharded_io.py). An old checkpoint whose state is a pickle (trainer_state.pt) is read only
   with trust_pickled, and is then rewritten in the new format.
 - Reading falls back: a missing or corrupt `latest`, a checkpoint whose files do not load, or one whose fields
   fail the caller's check (state_check.py) gives a one-line warning naming the file or field, and the next
@@ -25,12 +27,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
 
 from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
-from ..model import save_pretrained
 from .state_io import (PICKLED, STATE_JSON, STATE_TENSORS, StateError, convert_pickled, is_pickled, read_pickled_state,
                        read_state, write_state)
 
@@ -49,6 +51,15 @@ class Loaded:
     state: dict  # the trainer state (state_io.read_state)
     config: dict  # the run's config when it was saved
     drafter: EagleDrafter | None
+    sharded: Path | None = None  # the dcp/ folder of a checkpoint written by N ranks (the weights are there)
+
+
+class ModelWriter(Protocol):
+    """What a checkpoint asks of the actor (actor.Actor, actor_group.ActorGroup)."""
+
+    def non_finite(self) -> list[str]: ...  # names of parameters holding NaN/inf
+
+    def write_model(self, folder: Path, final: bool) -> None: ...  # folder/model (HF), and folder/dcp when sharded
 
 
 def non_finite_params(module: torch.nn.Module) -> list[str]:
@@ -70,9 +81,9 @@ def latest_name(root: Path) -> str | None:
     return name if _STEP.match(name) else None
 
 
-def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, config: dict,
-                    head: EagleDrafter | None = None, keep: int = 2) -> Path:
-    bad = non_finite_params(policy)
+def save_checkpoint(root: Path, step: int, actor: ModelWriter, tokenizer, state: dict, config: dict,
+                    head: EagleDrafter | None = None, keep: int = 2, final: bool = False) -> Path:
+    bad = actor.non_finite()
     if bad:
         prev = latest_name(root)
         raise CheckpointError(f"refusing to save step {step}: {len(bad)} policy tensors hold NaN/inf ({', '.join(bad[:3])}); "
@@ -82,7 +93,9 @@ def save_checkpoint(root: Path, step: int, policy, tokenizer, state: dict, confi
     try:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(policy, tmp / "model", tokenizer)
+        actor.write_model(tmp, final)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "model"))
         if head is not None:
             save_drafter(head, tmp / "drafter", meta={"rl_step": step})
         write_state(tmp, state)
@@ -164,9 +177,10 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
                 f"{STATE_JSON} + safetensors), and loading a pickle runs any code its writer put in it. Resume it "
                 "only if you trust where this run folder came from, with trainer.trust_pickled_state=true (the "
                 "state is then rewritten in the new format)")
+        sharded = ckpt / "dcp" if (ckpt / "dcp").is_dir() else None
         f = ckpt / "model" / "model.safetensors"
         try:
-            model = load_file(str(f))
+            model = {} if sharded is not None else load_file(str(f))  # sharded: the weights load from dcp/
             if pickled:
                 f = ckpt / PICKLED
                 log.warning("trainer.trust_pickled_state=true: unpickling %s (this runs any code in it)", f)
@@ -179,7 +193,7 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
             f = ckpt / "config.json"
             config = json.loads(f.read_text())
             f = ckpt / "drafter"
-            got = Loaded(ckpt, model, state, config, load_drafter(f) if f.is_dir() else None)
+            got = Loaded(ckpt, model, state, config, load_drafter(f) if f.is_dir() else None, sharded)
         except Exception as e:  # truncated, corrupt or missing: any of them makes the checkpoint unusable
             log.warning("checkpoint %s is unusable (%s: %s: %s): trying the one before", ckpt.name, f,
                         type(e).__name__, _one_line(e, 200))

@@ -38,12 +38,12 @@ def make_cluster(cfg: Config, engine: EngineConfig | None = None):
     return ClusterRollout(spec, r.workers, cfg.cluster, prior_length=r.max_tokens / 2, seed=cfg.trainer.seed)
 
 
-def cluster_rollout(cluster, policy, prompts: list, params: list, tasks: list | None = None, head=None):
-    """One step's rollout on the workers: this step's weights first (one object-store put, loaded by name;
-    with the learned drafter, its head too), then the rollout; then the heads the idle workers trained are
-    merged into `head`. Returns (completions with merged .stats, metrics incl. timing_s/sync)."""
+def cluster_rollout(cluster, weights: dict, prompts: list, params: list, tasks: list | None = None, head=None):
+    """One step's rollout on the workers: this step's weights (the policy's tensors by name) first (one
+    object-store put, loaded by name; with the learned drafter, its head too), then the rollout; then the heads
+    the idle workers trained are merged into `head`. Returns (completions with merged .stats, metrics incl. timing_s/sync)."""
     t = time.perf_counter()
-    sync_s = cluster.sync_weights(policy.state_dict(), head_state(head) if head is not None else None)
+    sync_s = cluster.sync_weights(weights, head_state(head) if head is not None else None)
     comps = cluster.generate(prompts, params, tasks)
     metrics = {k: v for k, v in cluster.metrics.items() if isinstance(v, (int, float))}
     if head is not None:

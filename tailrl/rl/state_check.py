@@ -93,7 +93,7 @@ def check_tensors(saved, live: dict, field: str) -> None:
     if not isinstance(saved, dict):
         raise StateError(field or "(top)", f"a {type(saved).__name__} where a dict of tensors was expected")
     for k, t in live.items():
-        _tensor(_need(saved, k, field), t.shape, _join(field, k))
+        _tensor(_need(saved, k, field), getattr(t, "shape", t), _join(field, k))
     extra = sorted(set(saved) - set(live))
     if extra:
         raise StateError(_join(field, extra[0]), "not a parameter of the model")
@@ -214,14 +214,20 @@ def check_state(state, step: int, optimizer, drafter_trainer=None) -> None:
     _check_drafter(state["drafter"], drafter_trainer)
 
 
-def check_checkpoint(got, policy, optimizer, drafter_trainer=None, head=None) -> None:
+def check_checkpoint(got, shapes: dict, optimizer, drafter_trainer=None, head=None, tied: bool = False) -> None:
     """Everything resume reads from `got` (a checkpoint.Loaded): weights, trainer state, config and drafter head.
-    The StateError's field is prefixed with the file it is in."""
-    live = dict(policy.state_dict())
-    if policy.config.tie_word_embeddings:
+    shapes: the live policy's {name: shape} (its state dict); optimizer: the live one, or None where its state is
+    sharded (DCP checks its moments' shapes as it loads them); tied: the LM head is the embedding. The
+    StateError's field is prefixed with the file it is in."""
+    from .sharded_io import check_sharded
+
+    live = dict(shapes)
+    if tied and got.sharded is None:
         live.pop("lm_head.weight", None)  # saved once, as the embedding
     step = int(got.path.name.removeprefix("step_"))
-    for name, check in (("model.safetensors", lambda: check_tensors(got.model, live, "")),
+    weights = (("dcp", lambda: check_sharded(got.sharded, live)) if got.sharded is not None
+               else ("model.safetensors", lambda: check_tensors(got.model, live, "")))
+    for name, check in (weights,
                         ("trainer_state", lambda: check_state(got.state, step, optimizer, drafter_trainer)),
                         ("config.json", lambda: _need(got.config, "trainer", "")),
                         ("drafter", lambda: _check_head(got.drafter, head))):

@@ -23,9 +23,10 @@ import time
 import torch
 
 from .algos import aggregate, kl_penalty, policy_loss
-from .forward import Batch, micro_batches, no_grad_logprobs, sequence_logprobs
+from .forward import Batch, sequence_logprobs
 from .packing import packed_tokens, segments
 from .precision import Precision
+from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, reshard, shared_logprobs
 
 STATS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
          "actor/tis_weight")
@@ -60,9 +61,11 @@ def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.R
 
 
 def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, temperature: float,
-                  rng: random.Random, timing: dict) -> tuple[dict, str | None]:
+                  rng: random.Random, timing: dict, ranks: Ranks = SINGLE) -> tuple[dict, str | None]:
     """prec: the fp32 master (the optimizer's parameters) and the module that computes (precision.py); ref: a
-    frozen reference module or None. Returns the step's actor metrics and, when no optimizer step was taken, why.
+    frozen reference module or None; ranks: this trainer rank among N data-parallel ones (ranks.py: each computes
+    whole groups of every mini-batch, and every rank returns the same metrics and takes the same decision).
+    Returns the step's actor metrics and, when no optimizer step was taken, why.
 
     Exactness of the work skipped (`algo.skip_zero_advantage`): the left-out sequences add exactly 0 to every
     mini-batch loss and gradient; a mini-batch left with no sequence still takes its AdamW step, on zero gradients
@@ -76,16 +79,16 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     t = time.perf_counter()
     # the trainer's logprobs before any optimizer step: the first mini-batch's own forward gives them for its
     # sequences; a no-grad pass gives the rest, needed only when the policy moves within the batch
-    old = torch.zeros_like(mask)
+    old, old_rest = torch.zeros_like(mask), torch.zeros_like(mask)
     if len(minis) > 1:
         need = [i for i in live_rows if i not in first]
         if need:
-            old[need] = no_grad_logprobs(policy, batch, a.micro_batch_size, temperature, autocast, need,
-                                         a.micro_batch_tokens)
+            old_rest = shared_logprobs(ranks, policy, batch, a.micro_batch_size, temperature, autocast, need,
+                                       a.micro_batch_tokens)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref_lp = (no_grad_logprobs(ref, batch, a.micro_batch_size, temperature, autocast, tokens=a.micro_batch_tokens)
-              if ref is not None else None)
+    ref_lp = (shared_logprobs(ranks, ref, batch, a.micro_batch_size, temperature, autocast, list(range(B)),
+                              a.micro_batch_tokens) if ref is not None else None)
     timing["timing_s/ref"] = time.perf_counter() - t
     t = time.perf_counter()
     prec.train()
@@ -99,7 +102,10 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         optimizer.zero_grad(set_to_none=True)
         prec.zero_grad()
         step = dict.fromkeys(sums, 0.0)
-        for micro in micro_batches(batch, rows, a.micro_batch_size, a.micro_batch_tokens):
+        for micro in rank_micros(ranks, batch, rows, a.micro_batch_size, a.micro_batch_tokens):
+            if micro is None:  # this rank has fewer micro-batches than another: a pass that adds 0 (ranks.py)
+                padding_pass(policy, batch, temperature, autocast, grad=True)
+                continue
             m = mask[micro].to(policy.device)
             logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
             computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
@@ -126,12 +132,16 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
             step["actor/pg_clipfrac"] += info["pg_clipfrac"] * ws
             step["actor/ppo_kl"] += info["ppo_kl"] * ws
             step["actor/tis_weight"] += float(aggregate(tis, m, "token-mean")) * ws if tis is not None else ws
+        if k == 0:  # every rank's first-mini-batch logprobs (each row computed by one rank), then the rest's
+            old = ranks.all_reduce_(old).add_(old_rest)
+        step = ranks.sum_floats(step)
+        reshard(ranks, policy)
         if not rows:  # no gradient to compute: AdamW still steps, on zeros
             step["actor/tis_weight"] = 1.0
             for p in prec.master.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(prec.master.parameters(), a.grad_clip))
+        grad_norm = clip_grad_norm(ranks, [p for p in prec.master.parameters() if p.requires_grad], a.grad_clip)
         step["actor/grad_norm"] = grad_norm
         if not math.isfinite(step["actor/pg_loss"] + step["actor/kl"]) or not math.isfinite(grad_norm):
             reason = (f"non-finite loss ({step['actor/pg_loss']:.4g})" if not math.isfinite(step["actor/pg_loss"])
@@ -156,6 +166,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     out["train/skipped_steps"] = skipped
     # tokens through forward + backward (prompt and response, no padding), per second of the update phase; and the
     # whole batch's tokens per second, the rate a computation of every sequence would have to match
+    computed = ranks.sum_floats({"c": computed})["c"]
     out["perf/update_tokens_per_s"] = computed / max(dt, 1e-9)
     out["perf/update_batch_tokens_per_s"] = a.ppo_epochs * batch.tokens / max(dt, 1e-9)
     return out, reason if count == 0 else None

@@ -1,0 +1,154 @@
+"""The actor role: the policy's fp32 master weights, the compute precision (precision.py), AdamW, the frozen
+reference, the update (update.py), the checkpointed state and the weights export.
+
+At `trainer.world_size=1` it is the one-process trainer of before (no process group, no Ray). At N it runs once
+in each of N ranks (actor_group.py starts them), its modules sharded with FSDP2 (fsdp.py) and the update data-
+parallel (ranks.py); the step loop talks to `ActorGroup`, which has this class's methods, and never knows.
+
+Invariants: the optimizer, its state and checkpoints only ever see the fp32 master; after `update` every rank
+holds its shards of the same weights (one rank's NaN skips the step on all: ranks.py)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..model import load_model, save_pretrained
+from .checkpoint import non_finite_params
+from .fsdp import apply_fsdp, full_layers, local_bytes
+from .forward import Batch
+from .precision import Precision, make_adamw, resolve_mode
+from .ranks import SINGLE, Ranks
+from .update import policy_update
+
+
+def device_of(cfg: Config) -> str:
+    return cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Actor:
+    def __init__(self, cfg: Config, rollout_dtype: torch.dtype, ranks: Ranks = SINGLE):
+        self.cfg, self.ranks = cfg, ranks
+        self.policy, self.tokenizer = load_model(cfg.model.path, device=device_of(cfg), dtype=torch.float32)
+        if self.tokenizer is None:
+            raise ValueError(f"model {cfg.model.path!r} has no tokenizer; training needs one for prompts and rewards")
+        self.policy.requires_grad_(True)
+        mode = resolve_mode(cfg.model.train_compute, rollout_dtype)
+        t = cfg.trainer
+        if ranks.world > 1:
+            self.engine_model = None  # the rollout holds its own model; weights reach it streamed
+            self.ref = copy.deepcopy(self.policy).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+            apply_fsdp(self.policy, mode, t.offload, t.activation_checkpointing)
+            if self.ref is not None:
+                apply_fsdp(self.ref, mode)
+            # FSDP2's MixedPrecisionPolicy does what the bf16 compute copy does at one rank (fsdp.py)
+            self.prec = Precision(self.policy, "float32" if mode == "bfloat16" else mode)
+            self.prec.mode = mode
+        else:
+            self.engine_model = (self.policy if rollout_dtype == torch.float32
+                                 else copy.deepcopy(self.policy).to(rollout_dtype))
+            # a bf16 compute copy and the bf16 engine hold the same weights after every update: one module serves both
+            self.prec = Precision(self.policy, mode,
+                                  self.engine_model if self.engine_model.dtype == torch.bfloat16 else None)
+            self.ref = copy.deepcopy(self.prec.model).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        self.mode = mode
+        self.optimizer = make_adamw(self.policy.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
+                                    betas=(0.9, 0.99))
+
+    def update(self, batch: Batch, advantages: torch.Tensor, step: int, timing: dict) -> tuple[dict, str | None]:
+        """The policy update of RL step `step` (0-based): (actor metrics, why no optimizer step was taken or None)."""
+        rng = random.Random(f"{self.cfg.trainer.seed}-update-{step}")
+        return policy_update(self.prec, self.optimizer, self.ref, batch, advantages, self.cfg.algo,
+                             self.cfg.rollout.temperature, rng, timing, self.ranks)
+
+    # ---- weights out ---------------------------------------------------------------------------------------
+
+    def sync_to(self, rollout) -> int:
+        """The new weights into the rollout's in-process engine; returns the bytes moved (0 when the engine's
+        model is the policy or its bf16 compute copy)."""
+        if rollout.engine.model is self.policy or rollout.engine.model is self.prec.model:
+            return 0
+        rollout.load_policy(self.policy)
+        return sum(t.numel() * t.element_size() for t in rollout.engine.model.state_dict().values())
+
+    def weights(self) -> dict:
+        """The policy's tensors by name (for Ray rollout workers)."""
+        return self.policy.state_dict()
+
+    def layers(self, dtype: torch.dtype | None = None):
+        """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own."""
+        if self.ranks.world == 1:
+            yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in self.policy.named_parameters()}
+            return
+        yield from full_layers(self.policy, dtype)
+
+    def memory(self) -> dict:
+        """Bytes this rank holds of the parameters and of the optimizer state."""
+        return local_bytes(self.policy, self.optimizer)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def non_finite(self) -> list[str]:
+        """Names of the parameters holding NaN/inf (over every rank's shards)."""
+        bad = non_finite_params(self.policy)
+        if self.ranks.world > 1:
+            names = [n for n, _ in self.policy.named_parameters()]
+            flags = self.ranks.all_reduce_(torch.tensor([float(n in bad) for n in names]))
+            bad = [n for n, f in zip(names, flags.tolist()) if f > 0]
+        return bad
+
+    def write_model(self, folder: Path, final: bool) -> None:
+        """The HF export of the policy (config.json + safetensors) into folder/model."""
+        save_pretrained(self.policy, folder / "model")
+
+    def keeps_optimizer(self, final: bool) -> bool:
+        return self.cfg.trainer.save_optimizer_final or not final
+
+    def optimizer_state(self, final: bool) -> dict | None:
+        """For the trainer state of a one-process checkpoint."""
+        return self.optimizer.state_dict() if self.keeps_optimizer(final) else None
+
+    def shapes(self) -> dict:
+        """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it."""
+        return {n: tuple(t.shape) for n, t in self.policy.state_dict().items()}
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.policy.config.tie_word_embeddings)
+
+    def load(self, model_sd: dict, optimizer_sd: dict | None) -> None:
+        """A one-process checkpoint's weights (HF names, tied head saved once) and optimizer state."""
+        sd = dict(model_sd)
+        if self.policy.config.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        self.policy.load_state_dict(sd)
+        self.prec.after_step()
+        if optimizer_sd is not None:
+            self.optimizer.load_state_dict(optimizer_sd)
+        self.apply_settings()
+
+    def apply_settings(self) -> None:
+        """Settings given now win over a checkpoint's (and its kernel choice)."""
+        kernels = {k: self.optimizer.defaults.get(k) for k in ("fused", "foreach")}
+        for g in self.optimizer.param_groups:
+            g["lr"], g["weight_decay"] = self.cfg.algo.lr, self.cfg.algo.weight_decay
+            g.update(kernels)
+
+    def save_sharded(self, folder: Path, final: bool) -> None:
+        """Every rank: its shards of the weights (and AdamW's moments) into folder (sharded_io.py)."""
+        from .sharded_io import save_sharded
+
+        save_sharded(folder, self.policy, self.optimizer, self.keeps_optimizer(final))
+
+    def load_sharded(self, folder: Path) -> bool:
+        """Every rank: a sharded checkpoint written at any world size. Returns whether it held optimizer state."""
+        from .sharded_io import load_sharded
+
+        got = load_sharded(folder, self.policy, self.optimizer)
+        self.prec.after_step()
+        self.apply_settings()
+        return got

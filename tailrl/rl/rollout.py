@@ -1,0 +1,157 @@
+"""The rollout role: the in-process engine or the Ray rollout workers (multi_worker.py), the speculator and the
+learned drafter (its head drafts in the engine; its trainer learns on idle capacity, TLT's spot trainer).
+
+It takes the policy's weights by name (`load_weights`: a stream of (name, tensor) pairs, each copied into the
+engine's model as it arrives), so it never knows whether the actor is one process or N sharded ranks.
+
+Invariant: rollout seeds depend only on (run seed, step, prompt), so a resumed run, N rollout workers and N
+trainer ranks all sample what the one-process run samples from the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..drafter.compose import make_speculator
+from ..drafter.eagle import EagleDrafter, load_drafter
+from ..drafter.propose import LearnedDrafter
+from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
+from ..engine import Engine, EngineConfig, SamplingParams
+from .multi_worker import cluster_rollout, make_cluster
+from .weights import push_weights
+
+
+def step_seed(seed: int, step: int, prompt: int) -> int:
+    """Rollout seeds depend only on (run seed, step, prompt): a resumed run samples what the original would."""
+    return (seed * 1_000_003 + step) * 1_000_033 + prompt * 997
+
+
+def build_drafter(cfg: Config, target):
+    """The learned drafter: the engine's head (drafts), a trainer with its own copy (online training when
+    drafter.spot is on; otherwise the head stays as loaded: a frozen drafter)."""
+    d = cfg.drafter
+    if not (d.enabled or d.path):
+        return None, None, None
+    # target: the engine's model; the head drafts inside the engine, on its hidden states and in its dtype
+    if d.path:
+        head = load_drafter(d.path, target)
+    else:
+        head = EagleDrafter(target.config).to(device=target.device, dtype=target.dtype).bind(target)
+    trainer = DrafterTrainer(head, d, seed=cfg.trainer.seed) if d.spot else None
+    spot = SpotTrainer(trainer, d) if trainer is not None else None
+    return head, trainer, spot
+
+
+class Rollout:
+    def __init__(self, cfg: Config, engine_model: torch.nn.Module, tokenizer):
+        self.cfg = cfg
+        r = cfg.rollout
+        self.head, self.drafter_trainer, self.spot = build_drafter(cfg, engine_model)
+        self.lender = None
+        if self.spot is not None:
+            tail = max(cfg.drafter.spot_batch, int(cfg.drafter.spot_frac * r.n * cfg.trainer.prompts_per_step))
+            self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter, tail)
+        self.engine = Engine(engine_model, tokenizer, EngineConfig(
+            kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec,
+            cuda_graphs=r.cuda_graphs, batch_invariant=r.batch_invariant,
+            max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
+            make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
+        self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
+        self.cluster_metrics: dict = {}
+
+    @property
+    def history(self):
+        """The engine's history drafter (its index is part of checkpoints), or None."""
+        spec = self.engine.speculator
+        return spec.drafters.get("history") if spec is not None else None
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        if self.spot is not None:
+            self.spot.close()
+
+    def generate(self, examples: list, step: int, weights, last_step_s: float):
+        """One step's samples, rollout.n per prompt, in (prompt, sample) order. weights(): the policy's state by
+        name, called only with Ray workers (they take this step's weights before the rollout)."""
+        r = self.cfg.rollout
+        params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                                 top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
+        if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
+            comps, self.cluster_metrics = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params,
+                                                          head=self.head)
+            return comps
+        if self.spot is None:
+            return self.engine.generate([ex.ids for ex in examples], params)
+        self.drafter_trainer.model.sync_head()
+        self.lender.begin_step(step, last_step_s)
+        col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
+        try:
+            while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
+                out = self.engine.step()
+                col.add(out)
+                self.lender.on_engine_step(self.engine.num_running, out.finished)
+        finally:
+            self.lender.stop()
+        self.engine.end_rollout(col.stats)
+        return col.result()
+
+    def greedy(self, examples: list) -> list:
+        """Greedy completions of examples (evaluation), rejected ones left out."""
+        comps = self.engine.generate([ex.ids for ex in examples],
+                                     SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
+        return [c for c in comps if c.finish_reason != "error"]
+
+    def load_policy(self, policy: torch.nn.Module) -> None:
+        """The master's weights in process, cast to the engine's dtype (a bf16 compute copy that is the engine's
+        model took them after each optimizer step already)."""
+        if self.engine.model is not policy:
+            push_weights(policy, self.engine.model)
+
+    def load_weights(self, named) -> int:
+        """Streamed weights: (name, tensor) pairs, each copied into the engine model's tensor of that name as it
+        arrives (a name the engine lacks is an error naming it). Returns the bytes received."""
+        dst, got = self.engine.model.state_dict(), 0
+        with torch.no_grad():
+            for name, t in named:
+                if name not in dst:
+                    raise ValueError(f"streamed weight {name!r} is not a parameter of the engine's model")
+                d = dst[name]
+                if d.shape != t.shape:
+                    raise ValueError(f"streamed weight {name}: shape {tuple(t.shape)}, engine shape {tuple(d.shape)}")
+                d.copy_(t.to(dtype=d.dtype, device=d.device))
+                got += t.numel() * t.element_size()
+        return got
+
+    def drafter_sync(self, eos_token_id) -> dict:
+        """Between steps: the trained head's weights (and, once known, its draft vocabulary) go to the engine,
+        and both heads re-read the policy's new LM head rows."""
+        if self.head is None:
+            return {}
+        if self.drafter_trainer is None or self.cluster is not None:  # with workers: merged in cluster_rollout
+            self.head.sync_head()
+            return {}
+        tr = self.drafter_trainer
+        tr.maybe_set_vocab(None, eos_token_id)
+        tr.publish(self.head)
+        m = {"drafter/train_steps": tr.steps, "drafter/spot_steps": self.spot.steps_this_rl_step,
+             "drafter/spot_s": self.spot.used_s, "drafter/buffer_tokens": tr.buffer.tokens}
+        m.update({k: v for k, v in tr.last.items() if k.startswith("drafter/")})
+        return m
+
+    def state(self) -> dict:
+        """What checkpoints keep of the rollout: the history index and the drafter trainer's state."""
+        return {"history": self.history.state_dict() if self.history is not None else None,
+                "drafter": self.drafter_trainer.state_dict() if self.drafter_trainer is not None else None}
+
+    def load_state(self, state: dict, drafter) -> None:
+        """state: a checkpoint's trainer state; drafter: its saved head (or None)."""
+        if self.history is not None:  # exactly the checkpoint's index: none if its run kept none (SD off)
+            self.history.load_state_dict(state.get("history") or {"prompts": []})
+        if self.head is not None and drafter is not None:
+            self.head.set_vocab(drafter.vocab)
+            self.head.fc.load_state_dict(drafter.fc.state_dict())
+            self.head.layer.load_state_dict(drafter.layer.state_dict())
+            self.head.sync_head()
+        if state.get("drafter") is not None and self.drafter_trainer is not None:
+            self.drafter_trainer.load_state_dict(state["drafter"])
