@@ -145,6 +145,6 @@ def test_the_learned_drafter_mirror_follows_the_tables(tiny):
     m = kv.mirror(tiny.config, 8)
     m.ensure([2], 40)
     assert kv.tables.blocks[2] == m.tables.blocks[2] and len(kv.tables.blocks[2]) == 3
-    assert len(m.k) == tiny.config.num_hidden_layers and m.k[0].shape[0] == kv.num_blocks
+    assert len(m.k) == tiny.config.num_hidden_layers and m.k[0].shape[1] == kv.num_blocks
     kv.release(2)
     assert kv.tables.num_free == kv.num_blocks - 1

@@ -84,7 +84,7 @@ def _real_kv(r: ModelRunner, lens: list[int], rows=None) -> list[torch.Tensor]:
     for t in r.kv.k + r.kv.v:
         for b, n in zip(rows or range(len(lens)), lens):
             blocks = r.kv.tables.blocks[b][: blocks_for(n)]
-            out.append(t[blocks].reshape(-1, *t.shape[2:])[:n])
+            out.append(t[:, blocks].reshape(t.shape[0], -1, t.shape[3])[:, :n])
     return out
 
 

@@ -1,4 +1,4 @@
-"""Paged KV cache: per layer a pool of blocks [num_blocks, BLOCK, kv_heads, head_dim], and the block tables
+"""Paged KV cache: per layer a pool of blocks [kv_heads, num_blocks, BLOCK, head_dim], and the block tables
 (engine/blocks.py) that say which blocks each row (a running sequence) holds.
 
 The pool is allocated once for the memory budget and never moves, so a captured CUDA graph keeps its addresses
@@ -60,7 +60,8 @@ class KVCache:
 
     def _pools(self, n: int) -> None:
         self.k.clear(), self.v.clear()
-        shape = (n, BLOCK, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        # head-major: a gather of a sequence's blocks leaves each head's keys contiguous, as attention reads them
+        shape = (self.cfg.num_key_value_heads, n, BLOCK, self.cfg.head_dim)
         for store in (self.k, self.v):
             for _ in range(self.cfg.num_hidden_layers):
                 store.append(torch.empty(shape, device=self.device, dtype=self.dtype))
@@ -90,7 +91,7 @@ class KVCache:
             end = min(self.num_blocks, max(upto, 2 * self.zeroed, 64))
             for store in (self.k, self.v):
                 for t in store:
-                    t[self.zeroed : end].zero_()
+                    t[:, self.zeroed : end].zero_()
             self.zeroed = end
 
     # ---- rows ---------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class KVCache:
             for c in [self, *self.mirrors]:
                 for store in (c.k, c.v):
                     for t in store:
-                        t[pair[1]] = t[pair[0]]
+                        t[:, pair[1]] = t[:, pair[0]]
 
     def move_row(self, src: int, dst: int) -> None:
         self.tables.move_row(src, dst)
@@ -174,7 +175,7 @@ class KVCache:
         """k, v [T, kv_heads, D]: the pass's new tokens, at their rows' (slot, position)."""
         flat = self._addresses(step)["flat"]
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, flat, x)
+            pool.view(pool.shape[0], -1, pool.shape[3]).index_copy_(1, flat, x.transpose(0, 1))
 
     def keys(self, layer: int, step) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's keys and values at positions < step.max_k: [B, kv_heads, max_k, D] (strided views of a
@@ -183,8 +184,8 @@ class KVCache:
         B = step.slots.shape[0]
         out = []
         for pool in (self.k[layer], self.v[layer]):
-            g = pool.index_select(0, idx)
-            out.append(g.view(B, -1, *pool.shape[2:])[:, : step.max_k].transpose(1, 2))
+            g = pool.index_select(1, idx)
+            out.append(g.view(pool.shape[0], B, -1, pool.shape[3])[:, :, : step.max_k].transpose(0, 1))
         return out[0], out[1]
 
     def chunk_blocks(self, step) -> list[torch.Tensor]:
@@ -202,5 +203,5 @@ class KVCache:
         fd = tab[slots, dst // BLOCK] * BLOCK + dst % BLOCK
         for store in (self.k, self.v):
             for t in store:
-                flat = t.view(-1, *t.shape[2:])
-                flat[fd] = flat[fs]
+                flat = t.view(t.shape[0], -1, t.shape[3])
+                flat[:, fd] = flat[:, fs]

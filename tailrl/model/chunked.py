@@ -167,11 +167,11 @@ def kernel(q, keys, vals, mask, bias=None):
 
 def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: ChunkPlan,
                       blocks: list[torch.Tensor]) -> torch.Tensor:
-    """q [T, heads, D] packed; k/v_pool [num_blocks, block, kv_heads, D], a paged cache whose block size divides
+    """q [T, heads, D] packed; k/v_pool [kv_heads, num_blocks, block, D], a paged cache whose block size divides
     CHUNK; blocks[i]: the pool blocks of call i's items' key chunks, item after item (one item's when the call is
     `shared`). Returns [T, heads * D]."""
     T, H, D = q.shape
-    kvh = k_pool.shape[2]
+    kvh = k_pool.shape[0]
     group = H // kvh
     R = group * QUERY_BLOCK
     qz = torch.cat([q, q.new_zeros(1, H, D)])
@@ -179,8 +179,8 @@ def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     for call, blk in zip(plan.calls, blocks):
         n = call.rows.shape[0]
         qi = qz[call.rows].view(n, QUERY_BLOCK, kvh, group, D).permute(0, 2, 3, 1, 4).reshape(n, kvh, R, D)
-        # an item's chunk: its blocks gathered in order, [CHUNK, kv_heads, D] viewed as [kv_heads, CHUNK, D]
-        keys, vals = (p.index_select(0, blk).view(-1, CHUNK, kvh, D).transpose(1, 2) for p in (k_pool, v_pool))
+        # an item's chunk: its blocks gathered in order, per head [n, CHUNK, D], viewed as [n, kv_heads, CHUNK, D]
+        keys, vals = (p.index_select(1, blk).view(kvh, -1, CHUNK, D).transpose(0, 1) for p in (k_pool, v_pool))
         if call.shared:
             keys, vals = keys.expand(n, -1, -1, -1), vals.expand(n, -1, -1, -1)
         bias, seen = call.bias(group, q.dtype)
