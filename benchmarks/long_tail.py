@@ -53,48 +53,47 @@ def run_cut(eng: Engine, prompts: list, params: SamplingParams, cut: int) -> tup
     return time.perf_counter() - t, tokens, peak
 
 
-def part_fixed(model, tok, label: str) -> None:
-    prompts = arithmetic_prompts(64)
+def part_fixed(model, tok, label: str, args) -> None:
+    prompts = arithmetic_prompts(args.requests)
     longest = max(len(tok.apply_chat_template(p, add_generation_prompt=True)) for p in prompts)
     ctx = model.config.max_position_embeddings
-    print(f"\n### {label}: 64 requests, responses cut at 64 tokens, greedy, bf16, 8 GB budget\n")
+    print(f"\n### {label}: {args.requests} requests, responses cut at 64 tokens, greedy, bf16, 8 GB budget\n")
     print("| max_tokens | wall s | decode tok/s | peak running | wall / wall at 128 |")
     print("|---|---|---|---|---|")
     base = None
-    for mt in (128, 1024, 4096, ctx - longest):
+    for mt in [m if m > 0 else ctx - longest for m in args.max_tokens]:
         eng = engine(model, tok, 8.0)
         wall, tokens, peak = run_cut(eng, prompts, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True), 64)
         base = base or wall
         print(f"| {mt} | {wall:.1f} | {tokens / wall:.1f} | {peak} | {wall / base:.2f}x |", flush=True)
 
 
-def part_budget(model, tok, label: str) -> None:
-    prompts = arithmetic_prompts(16)
+def sample_groups(model, tok, max_tokens: int, gb: float):
+    """16 arithmetic prompts x 8 samples at T=0.7: (wall s, completions, tokens)."""
+    eng = engine(model, tok, gb)
+    t = time.perf_counter()
+    outs = eng.generate(arithmetic_prompts(16), SamplingParams(n=8, temperature=0.7, max_tokens=max_tokens, seed=0))
+    return time.perf_counter() - t, outs, sum(len(o.token_ids) for o in outs)
+
+
+def part_budget(model, tok, label: str, args) -> None:
     print(f"\n### {label}: 16 arithmetic prompts x 8 samples, T=0.7, 0.5 GB KV budget\n")
     print("| max_tokens | wall s | tokens | peak running | peak KV MB | preemptions |")
     print("|---|---|---|---|---|---|")
-    for mt in (1024, 4096):
-        eng = engine(model, tok, 0.5)
-        t = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(n=8, temperature=0.7, max_tokens=mt, seed=0))
-        wall, st = time.perf_counter() - t, outs.stats
-        tokens = sum(len(o.token_ids) for o in outs)
+    for mt in args.budget_max_tokens:
+        wall, outs, tokens = sample_groups(model, tok, mt, 0.5)
+        st = outs.stats
         peak = max(st.batch_sizes) if st.batch_sizes else 0
         pre = getattr(st, "preemptions", "n/a")
         print(f"| {mt} | {wall:.1f} | {tokens} | {peak} | {st.peak_kv_bytes / 2**20:.0f} | {pre} |", flush=True)
 
 
-def part_issue(model, tok, label: str) -> None:
-    prompts = arithmetic_prompts(16)
+def part_issue(model, tok, label: str, args) -> None:
     print(f"\n### {label}: the issue's table (16 x 8, T=0.7, spec off)\n")
     print("| max_tokens | KV budget | wall s | tokens | responses at the cap |")
     print("|---|---|---|---|---|")
     for mt, gb in ((128, 8.0), (128, 0.5), (1024, 8.0), (1024, 0.5)):
-        eng = engine(model, tok, gb)
-        t = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(n=8, temperature=0.7, max_tokens=mt, seed=0))
-        wall = time.perf_counter() - t
-        tokens = sum(len(o.token_ids) for o in outs)
+        wall, outs, tokens = sample_groups(model, tok, mt, gb)
         capped = sum(o.finish_reason == "length" for o in outs)
         print(f"| {mt} | {gb} GB | {wall:.1f} | {tokens} | {capped} |", flush=True)
 
@@ -104,11 +103,15 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["fixed", "budget", "issue"], choices=["fixed", "budget", "issue"])
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=64, help="fixed: requests")
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[128, 1024, 4096, 0],
+                    help="fixed: max_tokens values (0: the most the context allows)")
+    ap.add_argument("--budget-max-tokens", type=int, nargs="+", default=[1024, 4096], help="budget: max_tokens values")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
     for part in args.parts:
-        {"fixed": part_fixed, "budget": part_budget, "issue": part_issue}[part](model, tok, args.label)
+        {"fixed": part_fixed, "budget": part_budget, "issue": part_issue}[part](model, tok, args.label, args)
 
 
 if __name__ == "__main__":

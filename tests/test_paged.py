@@ -148,3 +148,19 @@ def test_the_learned_drafter_mirror_follows_the_tables(tiny):
     assert len(m.k) == tiny.config.num_hidden_layers and m.k[0].shape[1] == kv.num_blocks
     kv.release(2)
     assert kv.tables.num_free == kv.num_blocks - 1
+
+
+def test_a_sleeping_engine_frees_its_pools_and_wakes_to_the_same_tokens(tiny):
+    """Colocated with a trainer (issue 28), the engine frees its KV pools during the update and takes them back."""
+    params = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    ref = _engine(tiny).generate(PROMPTS[:2], params)
+    eng = _engine(tiny)
+    eng.generate(PROMPTS[:1], params)
+    eng.sleep()
+    assert not eng.runner.kv.k and not eng.runner.kv.v
+    eng.wake()
+    out = eng.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    eng.add_requests(PROMPTS[:1], params)
+    with pytest.raises(RuntimeError, match="cannot sleep"):
+        eng.sleep()

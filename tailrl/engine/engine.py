@@ -165,6 +165,20 @@ class Engine:
             ids.append(s.seq_id)
         return ids
 
+    def sleep(self) -> None:
+        """Frees the KV pools and the CUDA-graph pool between rollouts (verl's hybrid engine): colocated on a GPU,
+        the policy update gets that memory. `wake` takes it back; nothing may be running or waiting."""
+        if self.has_work():
+            raise RuntimeError("the engine cannot sleep with requests running or waiting")
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+        self.runner.kv.sleep()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        self.runner.kv.wake()
+
     def end_rollout(self, stats: GenerateStats | None = None) -> None:
         """One rollout (an RL step) ended: the history drafter keeps this epoch's responses; stats.stale gets
         the acceptance watchdog's verdict per drafter."""

@@ -74,6 +74,19 @@ class KVCache:
         self.allocate(rows, capacity, rows * blocks_for(capacity) + 1)
         self.ensure(list(range(rows)), capacity)
 
+    def sleep(self) -> None:
+        """Frees the pools (no row may hold blocks): colocated with a trainer, the update gets the memory."""
+        if self.tables is not None and self.tables.num_used:
+            raise RuntimeError(f"KV cache sleep with {self.tables.num_used} blocks in use")
+        for c in [self, *self.mirrors]:
+            c.k.clear(), c.v.clear()
+
+    def wake(self) -> None:
+        """Allocates the pools again (a new generation: captured graphs are dropped)."""
+        for c in [self, *self.mirrors]:
+            if not c.k:
+                c._pools(self.tables.num_blocks)
+
     def mirror(self, cfg: ModelConfig, extra: int = 0, dtype=None) -> KVCache:
         """A cache for another model (a draft head) on the same block tables: a row's blocks hold both models'
         K/V. It grows rows through this cache (`extra` is kept for the callers' room arithmetic)."""

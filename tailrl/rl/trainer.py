@@ -143,6 +143,9 @@ class Trainer:
         comps, rejected = self._accepted(all_comps, cfg.rollout.n)
         metrics = {"rollout/rejected": rejected, "rollout/batch_invariant": float(self.engine.runner.invariant)}
         self.phase = ("update", time.perf_counter())
+        colocated = self.engine.model.device.type == "cuda"  # the engine's KV and graphs give the update room
+        if colocated:
+            self.engine.sleep()
         if comps:
             metrics.update(self._learn(examples, comps, timing))
         else:
@@ -152,6 +155,8 @@ class Trainer:
         metrics["sync/bytes"] = self.actor.sync_to(self.rollout_role)
         metrics.update(self.rollout_role.drafter_sync(self.engine.model.config.eos_token_id))
         timing["timing_s/sync"] = time.perf_counter() - t
+        if colocated:
+            self.engine.wake()
         if self.cluster is not None:  # the workers got this step's weights before its rollout
             timing["timing_s/sync"] += self.rollout_role.cluster_metrics.pop("timing_s/sync", 0.0)
             metrics.update(self.rollout_role.cluster_metrics)
