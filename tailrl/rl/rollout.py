@@ -18,6 +18,7 @@ from ..drafter.propose import LearnedDrafter
 from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ..engine import Engine, EngineConfig, SamplingParams
 from .multi_worker import cluster_rollout, make_cluster
+from .tail import tail_metrics
 from .weights import push_weights
 
 
@@ -58,6 +59,7 @@ class Rollout:
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
         self.cluster_metrics: dict = {}
+        self.tail: dict = {}  # the last rollout's tail metrics (tail.py; the in-process engine only)
 
     @property
     def history(self):
@@ -81,19 +83,23 @@ class Rollout:
             comps, self.cluster_metrics = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params,
                                                           head=self.head)
             return comps
-        if self.spot is None:
-            return self.engine.generate([ex.ids for ex in examples], params)
-        self.drafter_trainer.model.sync_head()
-        self.lender.begin_step(step, last_step_s)
+        if self.spot is not None:
+            self.drafter_trainer.model.sync_head()
+            self.lender.begin_step(step, last_step_s)
         col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
+        self.engine.last_stats, records = col.stats, []  # the records: the rollout's tail metrics (tail.py)
         try:
             while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
                 out = self.engine.step()
                 col.add(out)
-                self.lender.on_engine_step(self.engine.num_running, out.finished)
+                records.append(out.record)
+                if self.lender is not None:
+                    self.lender.on_engine_step(self.engine.num_running, out.finished)
         finally:
-            self.lender.stop()
+            if self.lender is not None:
+                self.lender.stop()
         self.engine.end_rollout(col.stats)
+        self.tail = tail_metrics(records, len(col.ids))
         return col.result()
 
     def greedy(self, examples: list) -> list:

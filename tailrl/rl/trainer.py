@@ -166,7 +166,7 @@ class Trainer:
             "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
             "response_length/min": float(lens.min()),
             "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
-            "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(),
+            "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(), **self.rollout_role.tail,
         })
         metrics["response_lengths"] = lens.int().tolist()
         self.step += 1

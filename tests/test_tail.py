@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams, StepRecord
+from tailrl.rl.run import train
+from tailrl.rl.tail import running_counts, split_tail, tail_metrics
+from tailrl.spec.config import SpecConfig
+from tests.rl_helpers import small_cfg
+
+
+def d(batch, total, est):
+    return StepRecord("decode", batch=batch, total_s=total, plain_est_s=est)
+
+
+# 8 sequences: the tail is at most 2 running. A prefill of 2 prompts (it admits the 8 that the next step decodes),
+# body steps at 8, 8 and 3, then tail steps at 2, an idle step, 1 and 1 (the last without an SD-off estimate)
+RECORDS = [StepRecord("prefill", batch=2, total_s=0.5), d(8, 1.0, 2.0), d(8, 1.0, 1.5), d(3, 0.4, 0.4), d(2, 0.2, 0.6),
+           StepRecord("idle"), d(1, 0.1, 0.4), d(1, 0.1, 0.0)]
+
+
+def test_running_counts_give_a_prefill_the_next_decode_batch():
+    assert running_counts(RECORDS) == [8, 8, 8, 3, 2, 0, 1, 1]
+    assert running_counts([d(4, 1, 1), StepRecord("prefill", batch=3)]) == [4, 3]  # nothing follows it: its own
+
+
+def test_tail_share_and_speedups_on_a_hand_built_rollout():
+    s = split_tail(RECORDS, 8)
+    assert (s.body_s, s.body_off_s) == pytest.approx((0.5 + 1.0 + 1.0 + 0.4, 0.5 + 2.0 + 1.5 + 0.4))
+    assert (s.tail_s, s.tail_off_s) == pytest.approx((0.2 + 0.1 + 0.1, 0.6 + 0.4 + 0.1))  # no estimate: measured
+    m = tail_metrics(RECORDS, 8)
+    assert m["rollout/tail_share"] == pytest.approx(0.4 / 3.3)
+    assert m["rollout/tail_share_off_est"] == pytest.approx(1.1 / 5.5)
+    assert m["spec/tail_speedup_est"] == pytest.approx(1.1 / 0.4)
+    assert m["spec/body_speedup_est"] == pytest.approx(4.4 / 2.9)
+    assert m["rollout/timeline"] == [[2.5, 4.0, 8], [2.9, 4.4, 3], [3.1, 5.0, 2], [3.3, 5.5, 1]]
+    # a quarter of 12 is 3: the step at 3 running joins the tail
+    assert split_tail(RECORDS, 12).tail_s == pytest.approx(0.8)
+
+
+def test_no_tail_no_time_and_a_bad_count():
+    m = tail_metrics([d(8, 1.0, 2.0)], 8)
+    assert (m["rollout/tail_share"], m["spec/tail_speedup_est"], m["spec/body_speedup_est"]) == (0.0, 1.0, 2.0)
+    assert tail_metrics([], 8)["rollout/tail_share"] == 0.0
+    with pytest.raises(ValueError, match="n_seqs=0"):
+        split_tail(RECORDS, 0)
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_a_tiny_models_rollout(tiny_lm, mode):
+    """A real rollout with lengths 2..16: SD off estimates nothing (speedups exactly 1); the timeline ends at the
+    engine's decode + prefill seconds and its running counts only fall."""
+    model, _ = tiny_lm
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.1, spec=SpecConfig(mode=mode), seed=0))
+    prompts = [[1, 2, 3, 4]] * 2 + [[5, 6, 7]] * 2 + [[8, 9]] * 4
+    params = [SamplingParams(n=2, max_tokens=2 + 2 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
+    col, records = eng.collector(eng.add_requests(prompts, params)), []
+    while eng.has_work():
+        out = eng.step()
+        col.add(out)
+        records.append(out.record)
+    st = col.result().stats
+    m = tail_metrics(records, 16)
+    line = m["rollout/timeline"]
+    assert line[-1][0] == pytest.approx(st.decode_s + st.prefill_s, abs=2e-3)
+    assert [c for *_, c in line] == sorted((c for *_, c in line), reverse=True) and line[0][2] == 16
+    assert 0 < m["rollout/tail_share"] < 1
+    assert m["rollout/tail_s"] + m["rollout/body_s"] == pytest.approx(st.decode_s + st.prefill_s)
+    if mode == "off":
+        assert m["spec/tail_speedup_est"] == m["spec/body_speedup_est"] == 1.0
+    else:
+        assert m["spec/tail_speedup_est"] > 0 and m["spec/body_speedup_est"] > 0
+
+
+def test_a_training_step_logs_the_tail(tiny_chat, task_file, tmp_path):
+    rows = [json.loads(x) for x in (train(small_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "trainer.save_every=0"))
+                                    / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "reward/mean" in r)
+    assert 0 <= step["rollout/tail_share"] <= 1 and step["spec/tail_speedup_est"] > 0
+    assert step["rollout/timeline"][0][2] == 8  # 2 prompts x 4 samples
