@@ -10,13 +10,16 @@ from pathlib import Path
 
 from . import cli_drafter, cli_eval, cli_generate
 from .config_help import groups_help
+from .presets import preset_names
+
+PRESETS = f"{', '.join(preset_names())} (tailrl/presets/; read before the YAML and the overrides)"
 
 
 def cmd_train(args) -> int:
     from .config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, args.preset)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -33,7 +36,8 @@ def cmd_train(args) -> int:
     except Interrupted as e:
         ckpts = Path(cfg.trainer.out_dir) / "checkpoints"
         where = f"{ckpts / e.latest}" if e.latest else "none yet (a resumed run starts fresh)"
-        cmd = ["tailrl", "train", *([args.config] if args.config else []),
+        cmd = ["tailrl", "train", *(["--preset", args.preset] if args.preset else []),
+               *([args.config] if args.config else []),
                *(o for o in args.overrides if not o.split("=")[0].strip() in ("trainer.resume", "trainer.overwrite")),
                "trainer.resume=true"]
         print(f"\nstopped by {e} after step {e.step if e.step is not None else 0}; latest checkpoint: {where}\n"
@@ -85,7 +89,7 @@ def cmd_config_show(args) -> int:
     from .config_help import show_yaml
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, args.preset)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -102,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=groups_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", nargs="?", help="YAML config; omit for the built-in default")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.lr=1e-5 rollout.spec.mode=off")
+    t.add_argument("--preset", default="", help=f"a built-in run beside the default: {PRESETS}")
     t.set_defaults(func=cmd_train)
     cli_eval.add_parser(sub)
     r = sub.add_parser("report", help="(re)build the plots and report of a run folder")
@@ -121,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     cs = csub.add_parser("show", help="the resolved config (defaults < YAML < overrides) as YAML with one-line docs")
     cs.add_argument("config", nargs="?", help="YAML config (optional)")
     cs.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.lr=1e-5")
+    cs.add_argument("--preset", default="", help=f"a built-in run: {PRESETS}")
     cs.set_defaults(func=cmd_config_show)
     cli_drafter.add_parser(sub)
     return parser

@@ -18,6 +18,7 @@ import yaml
 from .cluster.config import ClusterConfig
 from .config_help import choice_problem, did_you_mean, or_list
 from .drafter.config import DrafterConfig
+from .presets import preset_file, preset_names
 from .spec.config import SpecConfig
 
 
@@ -304,9 +305,14 @@ def _override_value(raw: str):
     return value
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: list[str] = (), preset: str = "") -> Config:
+    """defaults < the preset's YAML (tailrl/presets/) < the YAML at path < overrides."""
     cfg = Config()
-    if path:
+    if preset and preset_file(preset) is None:
+        near = did_you_mean(preset, preset_names())
+        raise ConfigError(f"unknown preset {preset!r}; {f'did you mean {or_list(near)}? ' if near else ''}"
+                          f"(presets: {', '.join(preset_names())})")
+    for path in ([str(preset_file(preset))] if preset else []) + ([path] if path else []):
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {path!r} not found")
