@@ -1,6 +1,8 @@
-"""The run report: plots of reward and accuracy, step time by phase, response lengths per step and accept
-length over steps, written as report.png and report.md in the run folder, and one good and one bad completion
-from the first and the last logged steps (samples.jsonl), so that a reader sees what the model learned."""
+"""The run report: plots of reward and accuracy, step time by phase, response lengths per step, accept length over
+steps and the rollout's long tail (running sequences over rollout time, SD on against the SD-off estimate; tail
+share and SD's speedup in the tail and the body per step, rl/tail.py), written as report.png and report.md in the
+run folder, and one good and one bad completion from the first and the last logged steps (samples.jsonl), so that
+a reader sees what the model learned."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def make_report(run_dir: str | Path) -> Path:
     if not train:
         raise ValueError(f"{run_dir}/metrics.jsonl has no training steps yet")
     steps = [r["step"] for r in train]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    tail = [r for r in train if r.get("rollout/timeline")]
+    fig, axes = plt.subplots(3 if tail else 2, 2, figsize=(12, 12 if tail else 8))
     ax = axes[0][0]
     ax.plot(steps, [r["reward/mean"] for r in train], marker="o", label="train reward")
     ax.plot(steps, [r["acc/mean"] for r in train], marker=".", label="train accuracy")
@@ -55,6 +58,8 @@ def make_report(run_dir: str | Path) -> Path:
     ax.set_title("accept length (tokens per sequence per step)")
     ax.set_xlabel("step")
     ax.legend()
+    if tail:
+        tail_panels(axes[2], tail)
     fig.tight_layout()
     png = run_dir / "report.png"
     fig.savefig(png, dpi=90)
@@ -72,6 +77,7 @@ def make_report(run_dir: str | Path) -> Path:
         f"the selector's estimate of the rollout speedup {sum(r.get('spec/speedup_est', 1) for r in train) / len(train):.2f}x "
         "(its cost model's plain-decoding time over the measured time; `benchmarks/e2e.py` measures SD on against off)", "",
         "![report](report.png)", "",
+        *tail_lines(tail),
         *eval_lines(evals),
         "| step | reward | acc | resp len | gen s | update s | step s | accept len |",
         "|---|---|---|---|---|---|---|---|",
@@ -84,6 +90,47 @@ def make_report(run_dir: str | Path) -> Path:
     md = run_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def tail_panels(axes, tail: list[dict]) -> None:
+    """Running sequences over rollout time at the first and the slowest step (measured with the run's SD setting,
+    and the SD-off estimate of the same steps), and the tail's share and SD's tail and body speedups per step."""
+    ax = axes[0]
+    slowest = max(tail, key=lambda r: r["rollout/timeline"][-1][0])
+    for row, color in zip([tail[0]] + ([slowest] if slowest is not tail[0] else []), ("C0", "C3")):
+        line, r = row["rollout/timeline"], row["step"]
+        for i, style, what in ((0, "-", "measured"), (1, "--", "SD-off estimate")):
+            ax.step([0.0] + [p[i] for p in line], [line[0][2]] + [p[2] for p in line], where="pre", linestyle=style,
+                    color=color, label=f"step {r}, {what}")
+        ax.axhline(line[0][2] / 4, color="grey", linewidth=0.5)
+    ax.set_title("running sequences over rollout time (grey: a quarter, the tail below)")
+    ax.set_xlabel("rollout seconds")
+    ax.legend()
+    ax = axes[1]
+    steps = [r["step"] for r in tail]
+    ax.plot(steps, [r["rollout/tail_share"] for r in tail], marker="o", label="tail share of rollout time")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step")
+    ax.legend(loc="upper left")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r.get("spec/tail_speedup_est", 1.0) for r in tail], marker="s", color="C3", label="SD speedup, tail")
+    ax2.plot(steps, [r.get("spec/body_speedup_est", 1.0) for r in tail], marker=".", color="C2", label="SD speedup, body")
+    ax2.axhline(1.0, color="grey", linewidth=0.5)
+    ax2.legend(loc="upper right")
+    ax.set_title("the tail: its share, and SD against the SD-off estimate (x)")
+
+
+def tail_lines(tail: list[dict]) -> list[str]:
+    """Markdown: the tail's share of rollout time and SD's estimated speedups, over the run's rollouts."""
+    if not tail:
+        return []
+    on = {part: sum(r[f"rollout/{part}_s"] for r in tail) for part in ("tail", "body")}
+    off = {part: sum(r[f"rollout/{part}_s"] * r[f"spec/{part}_speedup_est"] for r in tail) for part in on}
+    total = on["tail"] + on["body"]
+    return [f"the long tail (at most a quarter of the sequences running): {on['tail']:.0f}s of {total:.0f}s of "
+            f"rollout ({on['tail'] / max(total, 1e-9):.0%}); SD against the selector's SD-off estimate of the same "
+            f"steps: {off['tail'] / max(on['tail'], 1e-9):.2f}x in the tail, {off['body'] / max(on['body'], 1e-9):.2f}x "
+            "in the body (`benchmarks/e2e.py` measures SD on against off)", ""]
 
 
 def eval_lines(evals: list[dict]) -> list[str]:

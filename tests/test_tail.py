@@ -78,3 +78,18 @@ def test_a_training_step_logs_the_tail(tiny_chat, task_file, tmp_path):
     step = next(r for r in rows if "reward/mean" in r)
     assert 0 <= step["rollout/tail_share"] <= 1 and step["spec/tail_speedup_est"] > 0
     assert step["rollout/timeline"][0][2] == 8  # 2 prompts x 4 samples
+
+
+def test_the_report_shows_the_tail(tmp_path):
+    from tailrl.report import make_report
+
+    def row(step, split):
+        m = tail_metrics(RECORDS, split)
+        return {"step": step, "reward/mean": 0.1 * step, "acc/mean": 0.1, "response_length/mean": 50.0,
+                "timing_s/gen": 3.3, "timing_s/update": 1.0, "timing_s/step": 4.3, **m}
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row(s, n)) for s, n in ((1, 8), (2, 12))) + "\n")
+    text = make_report(tmp_path).read_text()
+    # step 1: tail 0.4 s (off 1.1), body 2.9 s (off 4.4); step 2: tail 0.8 s (off 1.5), body 2.5 s (off 4.0)
+    assert "1s of 7s of rollout (18%)" in text and "2.17x in the tail, 1.56x in the body" in text
+    assert (tmp_path / "report.png").stat().st_size > 10_000
