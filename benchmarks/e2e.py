@@ -1,7 +1,7 @@
 """End to end: the default `tailrl train` with SD auto against SD off (several seeds, interleaved, each run in its own
 process), and TRL's GRPOTrainer on the same model, prompts, rewards, group size, lengths and batch.
 
-    .venv/bin/python benchmarks/e2e.py [--seeds 0 1] [--steps N] [--out DIR] [--trl] [--trl-steps 3] [--extra k=v ...]
+    .venv/bin/python benchmarks/e2e.py [--preset long] [--seeds 0 1] [--steps N] [--out DIR] [--trl] [--extra k=v ...]
     # --trl needs: .venv/bin/pip install trl   (pulls datasets and pandas; torch is already there)
 
 Runs go to --out (default /tmp/tailrl-e2e); an arm whose folder already holds a finished run is read, not rerun, so
@@ -26,12 +26,13 @@ ARMS = {"auto": ["rollout.spec.mode=auto"], "off": ["rollout.spec.mode=off"],
         "learned": ["rollout.spec.mode=auto", "drafter.enabled=true"]}  # learned: auto plus the online EAGLE drafter
 
 
-def run_tailrl(out: Path, seed: int, arm: str, extra: list[str]) -> tuple[list[dict], float]:
-    """The metrics rows of `tailrl train` (default config) in one arm; the wall time of the whole process."""
+def run_tailrl(out: Path, seed: int, arm: str, extra: list[str], preset: str = "") -> tuple[list[dict], float]:
+    """The metrics rows of `tailrl train` (default config, or the preset's) in one arm; the process's wall time."""
     done = out / "done.json"
     if done.exists():
         return _rows(out), json.loads(done.read_text())["wall_s"]
-    cmd = [sys.executable, "-m", "tailrl.cli", "train", f"trainer.out_dir={out}", f"trainer.seed={seed}",
+    cmd = [sys.executable, "-m", "tailrl.cli", "train", *(["--preset", preset] if preset else []),
+           f"trainer.out_dir={out}", f"trainer.seed={seed}",
            *ARMS[arm], "trainer.overwrite=true",
            # one checkpoint per arm on disk (1.6 GB with AdamW; replay.py needs the last): a benchmark folder of
            # several arms once filled the disk with the default 2
@@ -48,19 +49,19 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_trl(out: Path, steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
+def run_trl(out: Path, steps: int, seed: int, bf16: bool, extra: list[str], preset: str = "") -> float:
     """Seconds per step of TRL GRPOTrainer (HF generate) on the default run's model, train prompts, rewards, group,
     lengths, temperature, learning rate and batch (prompts_per_step x n completions, micro-batches of the same size).
     Cached in `out` like the tailrl arms."""
     if out.exists():
         return json.loads(out.read_text())["s_per_step"]
-    s_per_step = _trl_seconds_per_step(steps, seed, bf16, extra)
+    s_per_step = _trl_seconds_per_step(steps, seed, bf16, extra, preset)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"s_per_step": s_per_step, "steps": steps}))
     return s_per_step
 
 
-def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str]) -> float:
+def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str], preset: str) -> float:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -70,7 +71,7 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str]) -
     from tailrl.rl.data import chat_prompt, load_datasets
     from tailrl.rl.rewards import BUILTIN, reward_weights
 
-    cfg = load_config(None, extra)
+    cfg = load_config(None, extra, preset)
     model, tok = load_model(cfg.model.path, device="cpu", dtype=torch.float32)
     folder = Path(tempfile.mkdtemp(prefix="tailrl-trl-"))
     save_pretrained(model, folder / "model", tok)
@@ -103,6 +104,27 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str]) -
     return (time.perf_counter() - t) / steps
 
 
+def print_tail(steps: dict, seeds: list[int]) -> None:
+    """The long tail (at most a quarter of the sequences running, rl/tail.py) in each arm's training rollouts: its
+    share of rollout time, and SD's gain there and in the body, measured (SD-off seconds over SD-auto seconds of the
+    same part; the same tokens where the invariance probe holds) and as the auto arm's own SD-off estimate."""
+    rows = {m: [r for s in seeds for r in steps[(m, s)]] for m in ("auto", "off")}
+    if not all("rollout/tail_s" in r for rs in rows.values() for r in rs):
+        print("(no rollout/tail_s in these runs: they predate the tail metrics)\n")
+        return
+    part = {(m, p): sum(r[f"rollout/{p}_s"] for r in rs) for m, rs in rows.items() for p in ("tail", "body")}
+    ratio = lambda a, b: f"{a / b:.2f}x" if b > 0 else "n/a (no time there)"  # noqa: E731
+    est = {p: ratio(sum(r[f"rollout/{p}_s"] * r[f"spec/{p}_speedup_est"] for r in rows["auto"]), part[("auto", p)])
+           for p in ("tail", "body")}
+    print("| arm | rollout s (engine steps) | tail s | tail share | body s |\n|---|---|---|---|---|")
+    for m in ("auto", "off"):
+        tail, body = part[(m, "tail")], part[(m, "body")]
+        print(f"| SD {m} | {tail + body:.0f} | {tail:.1f} | {tail / max(tail + body, 1e-9):.0%} | {body:.1f} |")
+    gain = {p: ratio(part[("off", p)], part[("auto", p)]) for p in ("tail", "body")}
+    print(f"\nSD auto against off, measured: {gain['tail']} in the tail, {gain['body']} in the body; "
+          f"the auto arm's SD-off estimate: {est['tail']} in the tail, {est['body']} in the body\n")
+
+
 def mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else float("nan")
@@ -111,6 +133,7 @@ def mean(xs) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--preset", default="", help="a built-in run instead of the default (long: tailrl train --preset long)")
     ap.add_argument("--steps", type=int, default=0, help="0: the default run's trainer.steps")
     ap.add_argument("--out", default="/tmp/tailrl-e2e")
     ap.add_argument("--learned-seeds", type=int, nargs="*", default=[],
@@ -120,15 +143,17 @@ def main():
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every arm (TRL too)")
     args = ap.parse_args()
     extra = list(args.extra) + ([f"trainer.steps={args.steps}"] if args.steps else [])
-    root, modes = Path(args.out), ("auto", "off")
+    root, modes = Path(args.out + (f"-{args.preset}" if args.preset else "")), ("auto", "off")
     runs, wall = {}, {}
     for seed in args.seeds:
         for mode in modes:  # interleaved: machine noise hits both arms alike
-            runs[(mode, seed)], wall[(mode, seed)] = run_tailrl(root / f"{mode}-{seed}", seed, mode, extra)
+            runs[(mode, seed)], wall[(mode, seed)] = run_tailrl(root / f"{mode}-{seed}", seed, mode, extra, args.preset)
     for seed in args.learned_seeds:
-        runs[("learned", seed)], wall[("learned", seed)] = run_tailrl(root / f"learned-{seed}", seed, "learned", extra)
+        runs[("learned", seed)], wall[("learned", seed)] = run_tailrl(root / f"learned-{seed}", seed, "learned", extra,
+                                                                      args.preset)
     steps = {k: [r for r in v if "timing_s/step" in r] for k, v in runs.items()}
-    print(f"\n`tailrl train` (default config{', ' + ' '.join(extra) if extra else ''}), seeds {args.seeds}\n")
+    what = f"--preset {args.preset}" if args.preset else "default config"
+    print(f"\n`tailrl train` ({what}{', ' + ' '.join(extra) if extra else ''}), seeds {args.seeds}\n")
     print("| arm | run wall s | step s | step s w/o eval | " + " | ".join(f"{p} s" for p in PHASES)
           + " | accept len |")
     print("|---|---|---|---|" + "---|" * len(PHASES) + "---|")
@@ -156,6 +181,7 @@ def main():
     f = tot["off"]["gen"] / (tot["off"]["step"] - tot["off"]["eval"])
     print(f"rollout share of the SD-off step (w/o eval): {f:.0%}; the step speedup a rollout speedup s can give is "
           f"1/((1-f)+f/s): {1 / ((1 - f) + f / 1.5):.2f}x at s=1.5, {1 / (1 - f):.2f}x at s=infinity\n")
+    print_tail(steps, args.seeds)
     if args.learned_seeds:
         ls = args.learned_seeds
         off = {k: sum(r.get(f"timing_s/{k}", 0.0) for s in ls for r in steps[("off", s)]) for k in ("step", "gen")}
@@ -192,7 +218,8 @@ def main():
               f"| tailrl speedup | tailrl s/step, whole run |")
         print("|---|---|---|---|---|")
         for bf16 in (False, True):
-            trl = run_trl(root / f"trl-{'bf16' if bf16 else 'fp32'}-{k}.json", k, args.seeds[0], bf16, list(args.extra))
+            trl = run_trl(root / f"trl-{'bf16' if bf16 else 'fp32'}-{k}.json", k, args.seeds[0], bf16, list(args.extra),
+                          args.preset)
             print(f"| {'bf16 autocast' if bf16 else 'fp32'} | {trl:.1f} | {first:.1f} | {trl / first:.2f}x | {whole:.1f} |",
                   flush=True)
 
