@@ -4,7 +4,7 @@ and what speculation bought there and in the body, separately (Seer and TLT repo
 Definitions (pure functions of the engine's `StepRecord`s, in step order, and the rollout's sequence count N):
 - a step's **running** count is its decode batch (the sequences in the pass); a prefill step counts the batch of the
   decode step that follows it (the sequences it admitted run from then on). A rollout admits all its sequences at
-  once unless the KV cache is short; waiting sequences are not counted.
+  once unless the KV cache is short; sequences waiting for room (or preempted, to be recomputed) are not counted.
 - the **tail** is the steps with at most a quarter of the sequences running (4 * running <= N), the **body** the
   rest. `rollout/tail_share` = tail seconds / all seconds, both measured (`StepRecord.total_s`: the engine's time for
   the step, drafting and the speculator's feedback included, one-time CUDA-graph capture excluded).
