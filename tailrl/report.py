@@ -100,8 +100,9 @@ def tail_panels(axes, tail: list[dict]) -> None:
     for row, color in zip([tail[0]] + ([slowest] if slowest is not tail[0] else []), ("C0", "C3")):
         line, r = row["rollout/timeline"], row["step"]
         for i, style, what in ((0, "-", "measured"), (1, "--", "SD-off estimate")):
-            ax.step([0.0] + [p[i] for p in line], [line[0][2]] + [p[2] for p in line], where="pre", linestyle=style,
-                    color=color, label=f"step {r}, {what}")
+            xs = [0.0] + [p[i] for p in line] + [line[-1][i]]  # ends at 0 running: the rollout's end
+            ax.step(xs, [line[0][2]] + [p[2] for p in line] + [0], where="pre", linestyle=style, color=color,
+                    label=f"step {r}, {what}")
         ax.axhline(line[0][2] / 4, color="grey", linewidth=0.5)
     ax.set_title("running sequences over rollout time (grey: a quarter, the tail below)")
     ax.set_xlabel("rollout seconds")
