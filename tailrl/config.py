@@ -108,7 +108,9 @@ class RewardCfg:
     # one per function; empty: 1.0 each, except the built-in `format` shaping term (0.2)
     weights: list[float] = field(default_factory=list)
     timeout_s: float = 10.0  # per function and step: a hanging function costs at most this once a step
-    accuracy: str = "auto"  # the strict verifier behind acc/mean: auto (countdown/verl if used, else math) | math | countdown | verl
+    # the strict verifier behind acc/mean: auto (countdown, verl or math_strict if used, else math) | math | math_strict |
+    # countdown | verl
+    accuracy: str = "auto"
     max_failed_steps: int = 3  # a function failing on every sample this many steps in a row stops the run
 
 

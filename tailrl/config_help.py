@@ -63,7 +63,7 @@ CHOICES = {
     "algo.advantage": ("grpo", "dr_grpo"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algo.kl_type": ("k1", "k3"),
-    "reward.accuracy": ("auto", "math", "countdown", "verl"),
+    "reward.accuracy": ("auto", "math", "math_strict", "countdown", "verl"),
     "cluster.placement": PLACEMENTS,
     "trainer.loggers": LOGGERS,
 }

@@ -3,8 +3,8 @@ import time
 import pytest
 
 from tailrl.rl.reward_runner import RewardRunner
-from tailrl.rl.rewards import (answers_match, countdown_reward, extract_answer, format_reward, math_partial_reward,
-                               math_reward)
+from tailrl.rl.rewards import (accuracy_name, answers_match, countdown_reward, extract_answer, format_reward,
+                               math_partial_reward, math_reward, math_strict_reward)
 from tailrl.rl.tasks import make_rows
 
 
@@ -35,6 +35,15 @@ def test_math_and_format_rewards():
     assert math_partial_reward("so 5 + 7 = 12.", "12") == 0.5  # right, without the answer line
     assert math_partial_reward("#### 11", "12") == 0.0 and math_partial_reward("x #### 12", "12") == 1.0
     assert math_partial_reward("12 then #### 11", "12") == 0.0  # the answer line decides when present
+
+
+def test_math_strict_pays_one_answer_line_only():
+    spam = "6 + 1 = 7\n#### 6 + 1 = 7\n#### 1 = 1\n#### 7 = 7"  # the long preset's policy under `math`, step 1
+    assert math_reward(spam, "7") == 1.0 and math_strict_reward(spam, "7") == 0.0
+    assert math_strict_reward("6 + 1 = 7\n#### 7", "7") == 1.0 and math_strict_reward("#### 8", "7") == 0.0
+    assert accuracy_name("auto", ["math_strict"]) == "math_strict" and accuracy_name("auto", ["math"]) == "math"
+    with pytest.raises(ValueError, match="math_strict"):
+        accuracy_name("mathh", ["math"])
 
 
 def test_countdown_verifier():

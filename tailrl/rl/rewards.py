@@ -66,6 +66,12 @@ def math_reward(completion: str, answer: str, **_) -> float:
     return 1.0 if pred is not None and answers_match(pred, str(answer)) else 0.0
 
 
+def math_strict_reward(completion: str, answer: str, **_) -> float:
+    """`math`, and `####` written once: with room for 1,024 tokens a policy paid by `math` learned to enumerate
+    '#### k = k' lines until the last one matched (responses doubled each epoch; README "Long responses")."""
+    return math_reward(completion, answer) if completion.count("####") == 1 else 0.0
+
+
 def math_partial_reward(completion: str, answer: str, **_) -> float:
     """1 for a correct answer line; 0.5 for a correct last number without one, so that a policy that solves
     the problem but ignores the format still earns more than one that writes '#### <wrong number>'."""
@@ -120,8 +126,8 @@ def countdown_reward(completion: str, answer: str, numbers: list[int] | None = N
     return 1.0 if Counter(used) == Counter(numbers) and math.isclose(value, float(answer), abs_tol=1e-6) else 0.0
 
 
-BUILTIN = {"math": math_reward, "math_partial": math_partial_reward, "format": format_reward,
-           "countdown": countdown_reward, "verl": verl_reward}
+BUILTIN = {"math": math_reward, "math_strict": math_strict_reward, "math_partial": math_partial_reward,
+           "format": format_reward, "countdown": countdown_reward, "verl": verl_reward}
 
 
 DEFAULT_WEIGHTS = {"format": 0.2}  # a shaping term; every other function counts 1.0 unless reward.weights says
@@ -137,11 +143,12 @@ def reward_weights(names: list[str], weights: list[float] | None) -> list[float]
 
 
 def accuracy_name(setting: str, names: list[str]) -> str:
-    """reward.accuracy resolved: 'auto' is countdown when the countdown reward is in use, verl when verl is, else math."""
+    """reward.accuracy resolved: 'auto' is countdown when the countdown reward is in use, verl when verl is,
+    math_strict when it is, else math."""
     if setting == "auto":
-        setting = "countdown" if "countdown" in names else "verl" if "verl" in names else "math"
-    if setting not in ("math", "countdown", "verl"):
-        raise ValueError(f"reward.accuracy={setting!r}: choose auto, math, countdown or verl")
+        setting = next((n for n in ("countdown", "verl", "math_strict") if n in names), "math")
+    if setting not in ("math", "math_strict", "countdown", "verl"):
+        raise ValueError(f"reward.accuracy={setting!r}: choose auto, math, math_strict, countdown or verl")
     return setting
 
 
