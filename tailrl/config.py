@@ -330,19 +330,12 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
         _set(cfg, key.strip().split("."), _override_value(raw), key.strip())
     if why := choice_problem(cfg):
         raise ConfigError(why)
-    try:
-        # nested spec settings validate themselves on construction
-        cfg.rollout.spec = SpecConfig(**dataclasses.asdict(cfg.rollout.spec))
-    except ValueError as e:
-        raise ConfigError(f"bad rollout.spec setting: {e}") from e
-    try:
-        cfg.drafter = DrafterConfig(**dataclasses.asdict(cfg.drafter))
-    except ValueError as e:
-        raise ConfigError(f"bad drafter setting: {e}") from e
-    try:
-        cfg.cluster = ClusterConfig(**dataclasses.asdict(cfg.cluster))
-    except ValueError as e:
-        raise ConfigError(f"bad cluster setting: {e}") from e
+    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
+                             (cfg, "cluster", ClusterConfig)):  # nested settings validate themselves on construction
+        try:
+            setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
+        except ValueError as e:
+            raise ConfigError(f"bad {'rollout.' if owner is cfg.rollout else ''}{name} setting: {e}") from e
     if cfg.rollout.spec.mode == "learned" and not (cfg.drafter.enabled or cfg.drafter.path):
         raise ConfigError("rollout.spec.mode=learned needs drafter.enabled=true or a drafter.path")
     cfg.validate()
