@@ -171,15 +171,18 @@ def test_keyed_gumbel_noise_is_gumbel_and_independent_across_vocabulary_and_posi
     assert torch.equal(gumbel(row_keys([5], [9]), 4096)[0], gumbel(row_keys([5, 6], [9, 9]), 4096)[0])  # batch-free
 
 
-def test_a_request_that_fits_the_budget_runs_even_when_alignment_would_round_past_it(tiny):
-    """The cache capacity is rounded up to 16 positions; a 295-token request in a 300-token budget must still
-    get its slot (rounding to 304 once laid out zero slots and the engine idled forever)."""
+def test_a_request_that_fits_the_budget_runs_to_its_end(tiny):
+    """A 300-token budget is 18 blocks of 16, one the null block: 272 positions. A request whose last token needs
+    position 271 runs to max_tokens with no error (the K/V of its last sampled token is never written), within the
+    budget, and gives every block back."""
     c = tiny.config
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
     eng = Engine(tiny, None, EngineConfig(kv_cache_gb=300 * per_token / 2**30))
-    out = eng.generate([[3, 4, 5]], SamplingParams(max_tokens=292, temperature=0, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 292
-    assert eng.runner.kv.allocated_bytes() <= 300 * per_token
+    assert eng.runner.kv.num_blocks == 300 // 16
+    out = eng.generate([[3, 4, 5]], SamplingParams(max_tokens=272 - 3 + 1, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.error is None and len(out.token_ids) == 270
+    assert eng.last_stats.peak_kv_bytes <= 300 * per_token
+    assert eng.runner.kv.tables.num_free == eng.runner.kv.num_blocks - 1
 
 
 def test_a_rollout_keeps_older_objects_out_of_the_garbage_collector(tiny):

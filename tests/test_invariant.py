@@ -263,8 +263,8 @@ def _drafted_trees(model, tok, invariant: bool, monkeypatch) -> list[DraftTree]:
 
     seen, plan = [], Speculator.plan
 
-    def spy(self, running):
-        arm, trees = plan(self, running)
+    def spy(self, running, *rest):
+        arm, trees = plan(self, running, *rest)
         seen.extend(t for t in trees or () if t)
         return arm, trees
 
