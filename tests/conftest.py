@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# OMP_NUM_THREADS, where set, wins: two suites side by side on 2 cores must not spin each other's OpenMP barriers
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
