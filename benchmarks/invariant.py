@@ -8,7 +8,7 @@
    exactly as SD off did (the property: all of them when invariant). The defaults are the default run's rollout
    shape (n=8, 96 tokens, T=0.7).
 
-    .venv/bin/python benchmarks/invariant.py [--epochs 3] [--n 8] [--max-tokens 96] [--temperature 0.7]
+    .venv/bin/python benchmarks/invariant.py [--epochs 3] [--n 8] [--max-tokens 96] [--temperature 0.7] [--threads 2]
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def main():
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--threads", type=int, default=2, help="1 where another job shares the 2 cores")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
     machine(model)
     decode_steps(model)
