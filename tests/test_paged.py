@@ -164,3 +164,31 @@ def test_a_sleeping_engine_frees_its_pools_and_wakes_to_the_same_tokens(tiny):
     eng.add_requests(PROMPTS[:1], params)
     with pytest.raises(RuntimeError, match="cannot sleep"):
         eng.sleep()
+
+
+def test_the_learned_drafter_under_preemption_cuts_its_trees_and_changes_no_token(tiny, caplog):
+    """A budget that preempts: the draft head's tree entries need blocks past what make_room gave. Where the pool
+    is short it drafts shallower trees (or none) instead of failing the batch; no drafter warning, the very
+    tokens a 50 MB cache gives, and every block back."""
+    import logging
+
+    from tailrl.drafter import DrafterConfig, EagleDrafter, make_speculator
+    from tailrl.drafter.propose import LearnedDrafter
+
+    params = SamplingParams(n=3, max_tokens=60, temperature=0.0, seed=7, ignore_eos=True)
+    spec = SpecConfig(mode="learned", budgets=(6,))
+    outs, engines = [], []
+    for blocks in (None, 24):
+        head = EagleDrafter(tiny.config).bind(tiny)
+        drafter = LearnedDrafter(head, DrafterConfig(topk=4, min_prob=0.0))
+        eng = Engine(tiny, None, EngineConfig(kv_cache_gb=_gb(blocks, tiny) if blocks else 0.05, spec=spec,
+                                              batch_invariant=True), make_speculator(spec, drafter))
+        with caplog.at_level(logging.WARNING, logger="tailrl"):
+            outs.append(eng.generate(PROMPTS, params))
+        engines.append(eng)
+    big, small = engines
+    assert small.last_stats.preemptions > 0 and big.last_stats.preemptions == 0
+    assert sum(o.stats["drafted"] for o in outs[1]) > 0, "the learned drafter never drafted"
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], [r.getMessage() for r in caplog.records]
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert _all_free(small) and _all_free(big)

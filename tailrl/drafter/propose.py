@@ -73,12 +73,12 @@ class LearnedDrafter(_BatchDrafter):
 
     @torch.inference_mode()
     def propose(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
+        depths = list(depths)
         live = [i for i, s in enumerate(seqs) if budgets[i] > 0 and depths[i] > 0 and s.hidden]
+        live = [i for i in live if self._fit(seqs[i], depths, i)]
         out: list[DraftTree | None] = [None] * len(seqs)
         if not live:
             return out
-        # room for the tree entries in each sequence's KV blocks: at most topk nodes are expanded per level
-        self.kv.ensure([seqs[i].slot for i in live], [seqs[i].cache_len + self.cfg.topk * depths[i] + 2 for i in live])
         roots = self._catch_up([seqs[i] for i in live])
         trees = self._grow([seqs[i] for i in live], roots, [budgets[i] for i in live], [depths[i] for i in live])
         for i, t in zip(live, trees):
@@ -86,6 +86,16 @@ class LearnedDrafter(_BatchDrafter):
         return out
 
     # ---- internals ----------------------------------------------------------------------------------------
+
+    def _fit(self, seq, depths: list[int], i: int) -> bool:
+        """Room for the tree entries in seq's KV blocks (at most topk nodes are expanded per level). When the pool
+        is short, depths[i] is cut to what the blocks the row holds allow; False when not one level fits (the
+        sequence goes undrafted this step rather than failing the batch)."""
+        need = seq.cache_len + self.cfg.topk * depths[i] + 2
+        if self.kv.grow(seq.slot, need):
+            return True
+        depths[i] = (self.kv.tables.held(seq.slot) - seq.cache_len - 2) // self.cfg.topk
+        return depths[i] > 0
 
     def _catch_up(self, seqs: list) -> torch.Tensor:
         """Runs the head over each sequence's verified positions it has not seen; returns the root's g [B, H]."""
