@@ -1,6 +1,7 @@
 """Batch-invariant decoding (engine/invariant.py): in bf16, speculation changes not one sampled token."""
 
 import copy
+import itertools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from tailrl.engine.probe import resolve_invariant
 from tailrl.model import load_model, make_step
 from tailrl.model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
 from tailrl.spec.config import SpecConfig
+from tailrl.spec.selector import OFF
 from tailrl.spec.tree import DraftTree
 from tailrl.spec.verify import Verdict
 from tests.helpers import CHATS, first_difference
@@ -32,11 +34,12 @@ def smollm_bf16():
 @pytest.mark.parametrize("allocate", [False, True])
 def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16, allocate):
     """Exact equality of every sampled token, no near-tie allowance: without the invariant passes this fails
-    (18 of 32 responses diverged when it was measured). Epsilon 0.3 makes the selector mix budgets, and sequences
-    without a match decode plainly beside drafted ones, so tokens meet passes of many shapes: plain and verify,
-    batch 32 down to a lone sequence. With `allocate` the drafts are cut by their odds, which may change what is
+    (18 of 32 responses diverged when it was measured). The selector's arms are taken in turn (history at budgets
+    2, 8 and 16, and plain decoding), and sequences without a match decode plainly beside drafted ones, so tokens
+    meet passes of many shapes: plain and verify, batch 32 down to a lone sequence. With `allocate` the drafts are cut by their odds, which may change what is
     verified but never what is emitted. (Mode history, not auto: auto's choice of plain decoding follows measured
-    timings, and in one full-suite run it chose plain for every step and the test exercised nothing.)"""
+    timings, and in one full-suite run it chose plain for every step and the test exercised nothing; here the
+    arms are taken in turn.)"""
     model, tok = smollm_bf16
     chats = CHATS + MATH
     params = SamplingParams(temperature=1.0, max_tokens=64, n=4, seed=5)
@@ -45,6 +48,12 @@ def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16, 
                                           spec=SpecConfig(mode="history", min_match=1, epsilon=0.3, allocate=allocate)))
     if allocate:  # rows priced by the prior, not by measured seconds: a loaded machine must not make it verify nothing
         eng.speculator.selector.step_cost.coefficients = lambda B: None
+    # the selector's own choice follows measured seconds: where bf16 is emulated (ONEDNN_MAX_CPU_ISA=AVX2) wide
+    # passes cost so much that it chose plain decoding for every step. Its arms are taken in turn instead, plain
+    # decoding among them, so every machine meets the same mix of plain and verify passes
+    sel = eng.speculator.selector
+    turn = itertools.cycle([a for a in sel.arms if a.drafter == "history" and a.budget in (2, 8, 16)] + [OFF])
+    sel.choose = lambda B: next(turn)
     eng.generate(chats, params)  # the history of the second epoch
     outs = eng.generate(chats, params)
     assert sum(o.stats["accepted"] for o in outs) > 50, "speculation barely ran: the test exercised little"
