@@ -192,3 +192,22 @@ def test_the_learned_drafter_under_preemption_cuts_its_trees_and_changes_no_toke
     assert not [r for r in caplog.records if "failed" in r.getMessage()], [r.getMessage() for r in caplog.records]
     assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
     assert _all_free(small) and _all_free(big)
+
+
+def test_a_forked_block_survives_the_lazy_zeroing_of_later_blocks(tiny):
+    """The copy-on-write block of a fork lies past the blocks zeroed so far (a fresh pool): a later grow that
+    zeroes the next blocks must not wipe it. (It did: siblings of the first rollout's later groups read their last
+    prompt block as zeros, so a fresh engine's first bf16 rollout differed with SD on and off.)"""
+    from tailrl.engine.kv_cache import KVCache
+
+    kv = KVCache(tiny.config, 0, "cpu", torch.float32)
+    kv.allocate(4, 2048, num_blocks=300)
+    kv.ensure([0], 63 * BLOCK)  # blocks 1..63; the lazy zeroing has reached block 64
+    assert kv.zeroed == 64
+    kv.k[0][:, 1:64] = 1.0
+    kv.fork(0, 1, 63 * BLOCK - 5)  # the partial block 63 copied into block 64
+    new = kv.tables.blocks[1][-1]
+    assert new == 64 and torch.equal(kv.k[0][:, new], kv.k[0][:, 63])
+    kv.ensure([2], 4 * BLOCK)  # blocks 65..68: zeroes the next chunk of the pool
+    assert kv.zeroed > new + 1
+    assert (kv.k[0][:, new] == 1.0).all(), "the forked block was zeroed after its copy"

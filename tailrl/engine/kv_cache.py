@@ -139,6 +139,9 @@ class KVCache:
         pair = self.tables.fork(src, dst, length)
         if pair is not None:
             for c in [self, *self.mirrors]:
+                # zero up to the new block before copying into it: else the lazy zeroing of a later grow would
+                # wipe the copy (it did: dst's last prompt block read as zeros, the first rollout of a fresh engine)
+                c._touch(pair[1] + 1)
                 for store in (c.k, c.v):
                     for t in store:
                         t[:, pair[1]] = t[:, pair[0]]
