@@ -97,6 +97,9 @@ class AlgoCfg:
     # forward/backward: their gradient is exactly 0, so the update is the same, for less work (none is skipped while
     # kl_coef > 0, whose term has a gradient on every sequence)
     skip_zero_advantage: bool = True
+    # DAPO's overlong filtering (TRL's mask_truncated_completions): a response cut at rollout.max_tokens leaves the
+    # loss (advantage 0, out of the token normalisers), since its reward judges an answer it never finished
+    mask_truncated: bool = False
 
 
 @dataclass

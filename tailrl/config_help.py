@@ -39,6 +39,7 @@ ALIASES = {
     "project_name": "trainer.project", "experiment_name": "trainer.run_name", "model_name_or_path": "model.path",
     "train_files": "data.train_file", "val_files": "data.eval_file", "reward_funcs": "reward.functions",
     "reward_weights": "reward.weights", "dataset": "data.train_file", "dtype": "model.dtype",
+    "mask_truncated_completions": "algo.mask_truncated",
 }
 
 GROUPS = {

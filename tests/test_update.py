@@ -350,3 +350,31 @@ def test_negative_micro_batch_tokens_is_a_config_error():
     cfg.algo.micro_batch_tokens = -1
     with pytest.raises(ConfigError, match="algo.micro_batch_tokens"):
         cfg.validate()
+
+
+def test_masked_truncated_responses_leave_the_update(tiny):
+    """DAPO's overlong filtering: with the truncated rows masked, what they hold changes nothing (their tokens are
+    not computed, their tokens leave the normalisers); unmasked, the same change moves the weights."""
+    from tailrl.rl.forward import mask_truncated
+
+    algo = AlgoCfg(mini_batch_size=4, micro_batch_size=2)
+    adv = torch.tensor([0.9, -0.3, -0.6, 1.1, -1.1, 0.5, -0.5, 0.2])
+    cut = [False, True, False, False, True, False, True, False]
+    runs = {}
+    for other in (False, True):
+        cs = comps(seed=5, n=8)
+        if other:  # the truncated responses hold other tokens
+            rng = random.Random(9)
+            for c, t in zip(cs, cut):
+                if t:
+                    c.token_ids = [rng.randrange(3, 96) for _ in c.token_ids]
+        plain = make_batch(cs, pad=0)
+        masked = make_batch(cs, pad=0)
+        a = mask_truncated(masked, adv.clone(), cut)
+        assert a.tolist() == [0.0 if t else float(v) for v, t in zip(adv, cut)]
+        assert masked.mask[torch.tensor(cut)].sum() == 0 and masked.mask.sum() < plain.mask.sum()
+        runs[other] = (run_update(tiny, plain, adv, algo)[0], run_update(tiny, masked, a, algo))
+    (p0, (m0, _, s0)), (p1, (m1, _, s1)) = runs[False], runs[True]
+    assert s0["actor/zero_adv_skipped"] == pytest.approx(3 / 8)
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    assert max(float((a - b).abs().max()) for a, b in zip(p0.parameters(), p1.parameters())) > 1e-5

@@ -60,6 +60,15 @@ def make_batch(comps, pad: int) -> Batch:
     return Batch(seqs, plens, mask, rollout, start, pad)
 
 
+def mask_truncated(batch: Batch, advantages: torch.Tensor, truncated: list[bool]) -> torch.Tensor:
+    """DAPO's overlong filtering (TRL's `mask_truncated_completions`): a response cut at the length cap leaves the
+    loss. Its mask row is zeroed, so the token-mean normalisers do not count it, and its advantage becomes 0, so
+    `update_plan` does not compute it. Returns the advantages; the group's mean and std keep its reward, as in DAPO."""
+    cut = torch.tensor(truncated, dtype=torch.bool)
+    batch.mask[cut] = 0.0
+    return advantages.masked_fill(cut, 0.0)
+
+
 def micro_batches(batch: Batch, idx: list[int], size: int, tokens: int = 0) -> list[list[int]]:
     """Splits idx into micro-batches of at most `size` sequences, or with `tokens` > 0 of at most that many packed
     tokens (prompts once per segment, responses, no padding) whatever their count: a prompt's samples stay

@@ -24,7 +24,7 @@ from .actor import device_of
 from .algos import group_advantages
 from .checkpoint import config_changes, load_checkpoint, save_checkpoint
 from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
-from .forward import make_batch
+from .forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewarder import Rewarder
 from .rollout import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
@@ -194,7 +194,12 @@ class Trainer:
             self.skip_reason = f"non-finite {bad}"
             metrics["train/skipped_steps"] = 1
             return metrics
-        actor, self.skip_reason = self.actor.update(make_batch(comps, self.pad), adv, self.step, timing)
+        batch = make_batch(comps, self.pad)
+        if self.cfg.algo.mask_truncated:
+            cut = [c.finish_reason == "length" for c in comps]
+            adv = mask_truncated(batch, adv, cut)
+            metrics["actor/masked_truncated"] = sum(cut) / len(cut)
+        actor, self.skip_reason = self.actor.update(batch, adv, self.step, timing)
         metrics.update(actor)
         return metrics
 
