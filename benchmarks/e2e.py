@@ -1,7 +1,8 @@
 """End to end: the default `tailrl train` with SD auto against SD off (several seeds, interleaved, each run in its own
 process), and TRL's GRPOTrainer on the same model, prompts, rewards, group size, lengths and batch.
 
-    .venv/bin/python benchmarks/e2e.py [--preset long] [--seeds 0 1] [--steps N] [--out DIR] [--trl] [--extra k=v ...]
+    .venv/bin/python benchmarks/e2e.py [--preset long] [--seeds 0 1] [--steps N] [--out DIR] [--side-by-side] [--trl]
+                                       [--extra k=v ...]
     # --trl needs: .venv/bin/pip install trl   (pulls datasets and pandas; torch is already there)
 
 Runs go to --out (default /tmp/tailrl-e2e); an arm whose folder already holds a finished run is read, not rerun, so
@@ -15,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PHASES = ["gen", "reward", "old_log_prob", "update", "sync", "eval"]
@@ -26,8 +29,10 @@ ARMS = {"auto": ["rollout.spec.mode=auto"], "off": ["rollout.spec.mode=off"],
         "learned": ["rollout.spec.mode=auto", "drafter.enabled=true"]}  # learned: auto plus the online EAGLE drafter
 
 
-def run_tailrl(out: Path, seed: int, arm: str, extra: list[str], preset: str = "") -> tuple[list[dict], float]:
-    """The metrics rows of `tailrl train` (default config, or the preset's) in one arm; the process's wall time."""
+def run_tailrl(out: Path, seed: int, arm: str, extra: list[str], preset: str = "",
+               threads: int = 0) -> tuple[list[dict], float]:
+    """The metrics rows of `tailrl train` (default config, or the preset's) in one arm; the process's wall time.
+    threads > 0: the process's OMP_NUM_THREADS (arms side by side)."""
     done = out / "done.json"
     if done.exists():
         return _rows(out), json.loads(done.read_text())["wall_s"]
@@ -39,7 +44,8 @@ def run_tailrl(out: Path, seed: int, arm: str, extra: list[str], preset: str = "
            "trainer.keep_checkpoints=1", *extra]
     print("$", " ".join(cmd[2:]), flush=True)
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     wall = time.perf_counter() - t
     done.write_text(json.dumps({"wall_s": wall}))
     return _rows(out), wall
@@ -141,11 +147,19 @@ def main():
     ap.add_argument("--trl", action="store_true")
     ap.add_argument("--trl-steps", type=int, default=3)
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides for every arm (TRL too)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="a seed's SD auto and off arms at once, one thread each: the same load on both arms")
     args = ap.parse_args()
     extra = list(args.extra) + ([f"trainer.steps={args.steps}"] if args.steps else [])
     root, modes = Path(args.out + (f"-{args.preset}" if args.preset else "")), ("auto", "off")
     runs, wall = {}, {}
     for seed in args.seeds:
+        if args.side_by_side:  # both arms at once on their own cores: noise and memory traffic hit both alike
+            with ThreadPoolExecutor(len(modes)) as pool:
+                futs = {m: pool.submit(run_tailrl, root / f"{m}-{seed}", seed, m, extra, args.preset, 1) for m in modes}
+            for mode, fut in futs.items():
+                runs[(mode, seed)], wall[(mode, seed)] = fut.result()
+            continue
         for mode in modes:  # interleaved: machine noise hits both arms alike
             runs[(mode, seed)], wall[(mode, seed)] = run_tailrl(root / f"{mode}-{seed}", seed, mode, extra, args.preset)
     for seed in args.learned_seeds:
