@@ -195,10 +195,8 @@ class Trainer:
             metrics["train/skipped_steps"] = 1
             return metrics
         batch = make_batch(comps, self.pad)
-        if self.cfg.algo.mask_truncated:
-            cut = [c.finish_reason == "length" for c in comps]
-            adv = mask_truncated(batch, adv, cut)
-            metrics["actor/masked_truncated"] = sum(cut) / len(cut)
+        if self.cfg.algo.mask_truncated:  # the share masked is response_length/clip_ratio
+            adv = mask_truncated(batch, adv, [c.finish_reason == "length" for c in comps])
         actor, self.skip_reason = self.actor.update(batch, adv, self.step, timing)
         metrics.update(actor)
         return metrics
