@@ -2,6 +2,7 @@
 continues the same W&B run), a missing wandb package fails at start, and a logger left out is not written."""
 
 import json
+import re
 import sys
 import time
 
@@ -101,7 +102,8 @@ def test_wandb_offline_has_the_metrics_and_a_resume_continues_the_run(tiny_chat,
                            "trainer.resume=true")) == 0
     assert (out / "wandb_run_id").read_text().strip() == run_id
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    # wandb names a folder offline-run-<time>-<id>, with "-1" added when both runs began in the same second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs)
     later = next(r for r in runs if 3 in history(r / f"run-{run_id}.wandb"))
     assert sorted(history(later / f"run-{run_id}.wandb")) == [3]
 
