@@ -45,7 +45,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
-    runner = ModelRunner(model, 2**30, max(args.batches), 2 * args.ctx, invariant=True)
+    runner = ModelRunner(model, 2**31, max(args.batches), 2 * args.ctx, invariant=True)
     runner.kv.ensure(list(range(max(args.batches))), 2 * args.ctx)
     ks = [0, *args.ks]
     params = SamplingParams(temperature=0.7, max_tokens=512)

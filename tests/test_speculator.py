@@ -157,3 +157,42 @@ def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
     sp.plan([Seq()])
     sp.plan([Seq() for _ in range(64)])
     assert seen[0] == 8 and set(seen[1:]) == {2}
+
+
+def test_block_budget_fills_whole_query_blocks():
+    from tailrl.spec.budgets import block_budget
+
+    assert [block_budget(n, 4) for n in range(1, 18)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15]
+    assert [block_budget(n, 1) for n in (1, 4, 16)] == [1, 4, 16]
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
+def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(tiny, invariant):
+    """Under batch-invariant passes a sequence's 1 + n rows fill whole blocks of QUERY_BLOCK rows (its attention runs
+    once per block, full or not): the selector's budgets (1, 2, 4, 8, 16) become (1, 2, 3, 7, 15) and every draft
+    asked for is one of those lengths. Plain passes keep the budgets as configured."""
+    from tailrl.model.chunked import QUERY_BLOCK
+
+    spec = SpecConfig(mode="ngram", budgets=(1, 2, 4, 8, 16), init_depth=16, min_depth=4)
+    sp = Speculator(spec)
+    eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec, batch_invariant=invariant), sp)
+    assert eng.runner.invariant == invariant
+    arms = iter(sp.selector.drafter_arms * 100)  # the arms in turn: every budget
+    sp.selector.choose = lambda B: next(arms)
+    asked = []
+    orig = sp.drafters["ngram"].propose
+
+    def spy(seqs, budgets, depths):
+        asked.extend(min(b, d) for b, d in zip(budgets, depths))
+        return orig(seqs, budgets, depths)
+
+    sp.drafters["ngram"].propose = spy
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [8, 9, 8, 9, 8, 9]]  # repeats: n-gram drafts that get accepted, depths grow
+    out = eng.generate(prompts, SamplingParams(n=3, max_tokens=60, temperature=0, ignore_eos=True))
+    assert all(len(c.token_ids) == 60 for c in out)
+    if invariant:
+        assert QUERY_BLOCK == 4 and sp.selector.budgets == (1, 2, 3, 7, 15)
+        assert set(asked) <= {0, 1, 2, 3, 7, 11, 15} and {1, 2, 3, 7, 15} <= set(asked)
+    else:
+        assert sp.selector.budgets == (1, 2, 4, 8, 16)
+        assert {1, 2, 4, 8, 16} <= set(asked)

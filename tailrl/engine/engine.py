@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.chunked import QUERY_BLOCK
 from ..model.llama import CausalLM
 from ..spec.speculator import Speculator
 from .config import EngineConfig
@@ -53,7 +54,8 @@ class Engine:
         self.runner = ModelRunner(model, budget, cfg.max_num_seqs, self.max_model_len, capture, cfg.cuda_graphs,
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
-            self.speculator.attach(self.runner.kv, chains=self.runner.invariant)
+            self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
+                                  row_block=QUERY_BLOCK if self.runner.invariant else 1)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

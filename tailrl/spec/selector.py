@@ -126,10 +126,14 @@ class Rate:
 class Selector:
     margin = 1.05  # speculate only where the model expects at least this gain over plain decoding
 
-    def __init__(self, cfg: SpecConfig, drafters: list[str] | None = None, alpha: float = 0.2):
+    def __init__(self, cfg: SpecConfig, drafters: list[str] | None = None, alpha: float = 0.2,
+                 budgets: tuple[int, ...] | None = None):
+        """budgets: the arms' draft budgets (default cfg.budgets; the speculator passes them cut to whole query
+        blocks where the verifier attends in blocks, spec/budgets.py:block_budget)."""
         self.cfg = cfg
         drafters = list(cfg.drafters if drafters is None else drafters)
-        self.drafter_arms = [Arm(d, b) for d in drafters for b in cfg.budgets]
+        self.budgets = tuple(cfg.budgets if budgets is None else budgets)
+        self.drafter_arms = [Arm(d, b) for d in drafters for b in self.budgets]
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()

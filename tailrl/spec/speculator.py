@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from .allocate import AcceptanceModel, allocate
-from .budgets import LengthTracker, das_budgets
+from .budgets import LengthTracker, block_budget, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
 from .selector import OFF, Arm, Selector
@@ -45,11 +45,18 @@ class Speculator:
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
         self.odds = AcceptanceModel()
+        self.row_block = 1
 
-    def attach(self, kv, chains: bool = False) -> None:
+    def attach(self, kv, chains: bool = False, row_block: int = 1) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
-        chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths."""
+        chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
+        row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
+        passes): drafts are cut to whole blocks (block_budget), and so are the selector's budgets."""
         self.vocab_size = kv.cfg.vocab_size
+        self.row_block = row_block
+        budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
+        if budgets != self.selector.budgets:  # before any step: nothing measured is lost
+            self.selector = Selector(self.cfg, list(self.drafters), budgets=budgets)
         for d in self.drafters.values():
             d.chains = chains
             d.attach(kv)
@@ -99,8 +106,10 @@ class Speculator:
         # the adaptive depth trims drafts where verify rows cost; in the tail a pass costs about a plain step up to
         # some depth, and down to that depth a rejection costs nothing, so no request drafts less
         B = len(running)
-        floor = max((d for d in self.cfg.budgets if self.selector.cheap_rows(B, B * (1 + d))), default=0)
+        floor = max((d for d in self.selector.budgets if self.selector.cheap_rows(B, B * (1 + d))), default=0)
         depths = [max(min(max(s.spec_depth, floor), r), 0) for s, r in zip(running, rooms)]
+        if self.row_block > 1:  # chains (an invariant verifier): nodes = depth, cut to whole query blocks
+            budgets = depths = [block_budget(min(b, d), self.row_block) for b, d in zip(budgets, depths)]
         trees = self._propose(self.drafters[arm.drafter], running, budgets, depths)
         V = self.vocab_size
         for i, tree in enumerate(trees):
@@ -199,7 +208,7 @@ class Speculator:
                 if pending is None:
                     depth = self.cfg.init_depth if d.costly else self.cfg.max_depth
                     try:
-                        tree = d.propose([s], [max(self.cfg.budgets)], [depth])[0]
+                        tree = d.propose([s], [max(self.selector.budgets)], [depth])[0]
                     except Exception:
                         tree = None
                     path = tree.top_path() if tree else []
