@@ -1,5 +1,7 @@
 import random
 
+import pytest
+
 import torch
 
 from tailrl.spec.allocate import AcceptanceModel, StepCost, allocate
@@ -142,3 +144,34 @@ def test_step_cost_prices_nothing_below_zero_and_keeps_a_dropped_term_dropped():
     assert cost.coefficients(3) == (per_seq, per_row, per_verify)  # the same bucket, solved once
     cost.record(4, 4, 0.040)
     assert cost.coefficients(4)[0] > per_seq  # a new step in the bucket is seen
+
+
+def test_step_cost_prices_a_plain_step_at_the_context_it_runs_at():
+    """The tail of a long rollout as the selector sees it: contexts grow from 300 to 1,000 tokens, most steps verify
+    drafts of 2-15 tokens and one in ten decodes plainly, and a step's cost is mostly its attention (a draft spilling
+    into a second query block reads every key chunk again). With the chunks read as a term, the plain step at 1,000
+    tokens (the SD-off estimate) is priced within 10%; priced per sequence and row alone it came out 37% short, as
+    the estimator of session 16 did (1.15x estimated against 1.32x measured in the tail)."""
+    from tailrl.spec.step_cost import attention_units
+
+    assert attention_units([900, 100], [1, 1], 4, 256) == 4 + 1
+    assert attention_units([900], [5], 4, 256) == 2 * 4 and attention_units([900], [5], 0, 256) == 4
+
+    def true_s(B, rows, units):
+        return 0.002 * B + 0.0001 * (rows - B) + (0.001 if rows > B else 0.0) + 0.0015 * units
+
+    fits = {True: StepCost(), False: StepCost()}
+    for with_units, cost in fits.items():
+        rng = random.Random(1)
+        for step in range(300):
+            ctx = 300 + 700 * step // 300
+            k = 0 if step % 10 == 0 else (3, 7, 15, 3, 2)[step % 5]
+            B = 8 - step % 2
+            q = [1 + k] * B
+            units = attention_units([ctx] * B, q, 4, 256)
+            cost.record(B, sum(q), true_s(B, sum(q), units) * (1 + 0.02 * rng.uniform(-1, 1)), units if with_units else 0)
+    plain = attention_units([1000] * 8, [1] * 8, 4, 256)
+    assert fits[True].seconds(8, 8, plain) == pytest.approx(true_s(8, 8, plain), rel=0.1)
+    assert fits[False].seconds(8, 8) < 0.7 * true_s(8, 8, plain)
+    wide = attention_units([1000] * 8, [8] * 8, 4, 256)  # 7 drafted: 2 blocks a sequence
+    assert wide == 2 * plain and fits[True].seconds(8, 64, wide) == pytest.approx(true_s(8, 64, wide), rel=0.1)

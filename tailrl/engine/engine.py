@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.chunked import QUERY_BLOCK
+from ..model.chunked import CHUNK, QUERY_BLOCK
 from ..model.llama import CausalLM
 from ..spec.speculator import Speculator
 from .config import EngineConfig
@@ -55,7 +55,7 @@ class Engine:
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
-                                  row_block=QUERY_BLOCK if self.runner.invariant else 1)
+                                  row_block=QUERY_BLOCK if self.runner.invariant else 0, key_chunk=CHUNK)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import SpecConfig
-from .step_cost import StepCost, batch_bucket
+from .step_cost import StepCost, attention_units, batch_bucket
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ class Selector:
         drafters = list(cfg.drafters if drafters is None else drafters)
         self.budgets = tuple(cfg.budgets if budgets is None else budgets)
         self.drafter_arms = [Arm(d, b) for d in drafters for b in self.budgets]
+        # how the verifier's attention reads keys (step_cost.attention_units): (query rows per read, 0 = all of a
+        # sequence's rows at once; keys per chunk). The speculator sets it from the engine's passes
+        self.attend = (0, 256)
         self.arms = ([OFF] if cfg.mode == "auto" else []) + self.drafter_arms
         self.alpha = alpha
         self.cost = CostModel()
@@ -155,17 +158,22 @@ class Selector:
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 
-    def predict(self, arm: Arm, B: int) -> float | None:
-        """Expected tokens per second for B sequences (None: not measured yet)."""
+    def units(self, contexts: list[int] | None, q: float) -> float:
+        """Key chunks a pass reads where every sequence adds q rows to its context (0 without contexts)."""
+        return attention_units(contexts, [q] * len(contexts), *self.attend) if contexts else 0.0
+
+    def predict(self, arm: Arm, B: int, contexts: list[int] | None = None) -> float | None:
+        """Expected tokens per second for B sequences (None: not measured yet); contexts: each one's cached tokens,
+        for the attention's share of a step."""
         if arm == OFF:
-            t = self.plain_step_s(B)
+            t = self.plain_step_s(B, contexts)
             return B / t if t else None
         est = self._acceptance(arm)
         if est is None:
             return None
         accepted, drafted = est
         rows = B * (1 + drafted)
-        local = self.local_step_s(B, rows)
+        local = self.local_step_s(B, rows, self.units(contexts, 1 + drafted))
         if local is not None:
             return B * (1 + accepted) / (local + B * self.draft_cost[arm.drafter])
         t = self.forward_s(rows, B)
@@ -199,21 +207,17 @@ class Selector:
         plain, wide = self.pass_cost.predict(B, B), self.pass_cost.predict(rows, B)
         return plain is not None and wide is not None and plain > 0 and wide <= slack * plain
 
-    def local_step_s(self, B: int, rows: float) -> float | None:
-        """Seconds of a step of `rows` rows over B sequences (drafting aside) from the bucket's own fit; None before
-        the bucket's first step."""
-        coef = self.step_cost.coefficients(B)
-        if coef is None:
-            return None
-        c, r, v = coef
-        return c * B + r * (rows - B) + (v if rows > B else 0.0)
+    def local_step_s(self, B: int, rows: float, units: float = 0.0) -> float | None:
+        """Seconds of a step of `rows` rows over B sequences reading `units` key chunks (drafting aside) from the
+        bucket's own fit; None before the bucket's first step."""
+        return self.step_cost.seconds(B, rows, units)
 
     def end_rollout(self) -> None:
         self.step_cost.end_rollout()
 
-    def plain_step_s(self, B: int) -> float | None:
-        """Expected seconds of a plain decode step of B sequences (forward and sampling)."""
-        local = self.local_step_s(B, B)
+    def plain_step_s(self, B: int, contexts: list[int] | None = None) -> float | None:
+        """Expected seconds of a plain decode step of B sequences (forward and sampling), at these contexts."""
+        local = self.local_step_s(B, B, self.units(contexts, 1))
         if local is not None:
             return local
         t = self.forward_s(B, B)
@@ -246,16 +250,16 @@ class Selector:
         seen = self.step_overhead.get(_overhead_key(spec, rows))
         return seen if seen is not None else rows * (self.overhead[spec] or 0.0)
 
-    def score(self, arm: Arm, B: int) -> float:
-        p = self.predict(arm, B)
+    def score(self, arm: Arm, B: int, contexts: list[int] | None = None) -> float:
+        p = self.predict(arm, B, contexts)
         if p is None:
             return float("inf")  # nothing measured yet: try it
         return p * self.correction.get((batch_bucket(B), arm), 1.0)
 
-    def choose(self, B: int) -> Arm:
+    def choose(self, B: int, contexts: list[int] | None = None) -> Arm:
         if len(self.arms) == 1:
             return self.arms[0]
-        scores = {a: self.score(a, B) for a in self.arms}
+        scores = {a: self.score(a, B, contexts) for a in self.arms}
         if OFF in scores:
             scores[OFF] *= self.margin
         best = max(scores.values())
@@ -268,12 +272,15 @@ class Selector:
         table[key] += self.alpha * (value - table[key])
 
     def record(self, arm: Arm, B: int, tokens_in_pass: int, forward_s: float, step_s: float,
-               emitted: int, drafted: int, draft_s: float) -> None:
-        """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes."""
-        predicted = self.predict(arm, B)
+               emitted: int, drafted: int, draft_s: float, contexts: list[int] | None = None,
+               q_lens: list[int] | None = None) -> None:
+        """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes; contexts and
+        q_lens: each sequence's cached tokens before the pass and rows in it (for the attention's share)."""
+        predicted = self.predict(arm, B, contexts)
         self.cost.record(tokens_in_pass, forward_s)
         self.pass_cost.record(tokens_in_pass, B, forward_s)
-        self.step_cost.record(B, tokens_in_pass, step_s - draft_s)
+        units = attention_units(contexts, q_lens, *self.attend) if contexts and q_lens else 0.0
+        self.step_cost.record(B, tokens_in_pass, step_s - draft_s, units)
         if predicted:
             key = (batch_bucket(B), arm)
             ratio = min(max((emitted / step_s) / predicted, 0.25), 4.0)

@@ -45,18 +45,22 @@ class Speculator:
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
         self.odds = AcceptanceModel()
-        self.row_block = 1
+        self.row_block = 0
+        self._contexts: list[int] = []
 
-    def attach(self, kv, chains: bool = False, row_block: int = 1) -> None:
+    def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
         chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
         row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
-        passes): drafts are cut to whole blocks (block_budget), and so are the selector's budgets."""
+        passes; 0: all at once): drafts are cut to whole blocks (block_budget), and so are the selector's budgets.
+        key_chunk: the keys it reads at a time (CHUNK in invariant passes): the selector prices a step's attention
+        in such chunks (step_cost.attention_units)."""
         self.vocab_size = kv.cfg.vocab_size
         self.row_block = row_block
         budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
         if budgets != self.selector.budgets:  # before any step: nothing measured is lost
             self.selector = Selector(self.cfg, list(self.drafters), budgets=budgets)
+        self.selector.attend = (row_block, key_chunk)
         for d in self.drafters.values():
             d.chains = chains
             d.attach(kv)
@@ -93,7 +97,8 @@ class Speculator:
 
     def plan(self, running: list, kv_rooms: list[int] | None = None) -> tuple[Arm, list[DraftTree | None] | None]:
         """kv_rooms: per sequence, the draft rows its KV blocks hold (none asked: no bound but max_tokens)."""
-        arm = self._arm = self.selector.choose(len(running))
+        self._contexts = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in running]  # cached before the pass
+        arm = self._arm = self.selector.choose(len(running), self._contexts)
         self._trees = []
         if arm == OFF:
             return arm, None
@@ -151,14 +156,15 @@ class Speculator:
         running sequence, the accepted nodes and the tokens actually emitted."""
         B = len(running)
         cfg = self.cfg
-        plain = self.selector.plain_step_s(B)
+        contexts = self._contexts if len(self._contexts) == B else None  # as planned (None: a step not planned)
+        trees = self._trees or [None] * B
+        plain = self.selector.plain_step_s(B, contexts)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
         self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
-                             record.drafted, record.draft_s)
+                             record.drafted, record.draft_s, contexts, [1 + len(t) if t else 1 for t in trees])
         if record.drafted:
             self._watch(arm.drafter, "verified", record.accepted, record.drafted, running)
-        trees = self._trees or [None] * B
         for s, tree, v in zip(running, trees, verdicts):
             if tree is not None:
                 if cfg.allocate:
