@@ -7,6 +7,16 @@ import torch
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs for a module's tests (`pytestmark = pytest.mark.usefixtures("local_ray")`)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def smollm():
     from tailrl.model import load_model

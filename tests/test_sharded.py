@@ -8,7 +8,6 @@ import shutil
 import time
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -24,11 +23,7 @@ from tests.rl_helpers import tiny_cfg, write_task
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # a local Ray cluster per module (conftest.py)
 
 
 @pytest.fixture(scope="module")
