@@ -158,22 +158,28 @@ class Selector:
         self.correction: dict[tuple[int, Arm], float] = {}  # measured / predicted reward per bucket and arm
         self.rng = random.Random(cfg.seed)
 
-    def units(self, contexts: list[int] | None, q: float) -> float:
-        """Key chunks a pass reads where every sequence adds q rows to its context (0 without contexts)."""
-        return attention_units(contexts, [q] * len(contexts), *self.attend) if contexts else 0.0
+    def chunks(self, contexts: list[int] | None) -> float:
+        """The key chunks a plain pass over sequences holding `contexts` tokens reads (0 without contexts): computed
+        once a step; an arm's pass reads them once per query block of its rows (`units`)."""
+        return attention_units(contexts, [1] * len(contexts), 0, self.attend[1]) if contexts else 0.0
 
-    def predict(self, arm: Arm, B: int, contexts: list[int] | None = None) -> float | None:
-        """Expected tokens per second for B sequences (None: not measured yet); contexts: each one's cached tokens,
-        for the attention's share of a step."""
+    def units(self, chunks: float, q: float) -> float:
+        """Key chunks a pass reads where every sequence verifies q rows (a draft crossing into a new chunk aside)."""
+        block = self.attend[0]
+        return chunks * (math.ceil(q / block) if block else 1)
+
+    def predict(self, arm: Arm, B: int, chunks: float = 0.0) -> float | None:
+        """Expected tokens per second for B sequences (None: not measured yet); chunks: the key chunks a plain pass
+        over them reads (`chunks`), for the attention's share of a step."""
         if arm == OFF:
-            t = self.plain_step_s(B, contexts)
+            t = self.plain_step_s(B, chunks)
             return B / t if t else None
         est = self._acceptance(arm)
         if est is None:
             return None
         accepted, drafted = est
         rows = B * (1 + drafted)
-        local = self.local_step_s(B, rows, self.units(contexts, 1 + drafted))
+        local = self.local_step_s(B, rows, self.units(chunks, 1 + drafted))
         if local is not None:
             return B * (1 + accepted) / (local + B * self.draft_cost[arm.drafter])
         t = self.forward_s(rows, B)
@@ -215,9 +221,9 @@ class Selector:
     def end_rollout(self) -> None:
         self.step_cost.end_rollout()
 
-    def plain_step_s(self, B: int, contexts: list[int] | None = None) -> float | None:
-        """Expected seconds of a plain decode step of B sequences (forward and sampling), at these contexts."""
-        local = self.local_step_s(B, B, self.units(contexts, 1))
+    def plain_step_s(self, B: int, chunks: float = 0.0) -> float | None:
+        """Expected seconds of a plain decode step of B sequences (forward and sampling) reading `chunks` key chunks."""
+        local = self.local_step_s(B, B, chunks)
         if local is not None:
             return local
         t = self.forward_s(B, B)
@@ -250,8 +256,8 @@ class Selector:
         seen = self.step_overhead.get(_overhead_key(spec, rows))
         return seen if seen is not None else rows * (self.overhead[spec] or 0.0)
 
-    def score(self, arm: Arm, B: int, contexts: list[int] | None = None) -> float:
-        p = self.predict(arm, B, contexts)
+    def score(self, arm: Arm, B: int, chunks: float = 0.0) -> float:
+        p = self.predict(arm, B, chunks)
         if p is None:
             return float("inf")  # nothing measured yet: try it
         return p * self.correction.get((batch_bucket(B), arm), 1.0)
@@ -259,7 +265,8 @@ class Selector:
     def choose(self, B: int, contexts: list[int] | None = None) -> Arm:
         if len(self.arms) == 1:
             return self.arms[0]
-        scores = {a: self.score(a, B, contexts) for a in self.arms}
+        chunks = self.chunks(contexts)
+        scores = {a: self.score(a, B, chunks) for a in self.arms}
         if OFF in scores:
             scores[OFF] *= self.margin
         best = max(scores.values())
@@ -272,14 +279,12 @@ class Selector:
         table[key] += self.alpha * (value - table[key])
 
     def record(self, arm: Arm, B: int, tokens_in_pass: int, forward_s: float, step_s: float,
-               emitted: int, drafted: int, draft_s: float, contexts: list[int] | None = None,
-               q_lens: list[int] | None = None) -> None:
-        """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes; contexts and
-        q_lens: each sequence's cached tokens before the pass and rows in it (for the attention's share)."""
-        predicted = self.predict(arm, B, contexts)
+               emitted: int, drafted: int, draft_s: float, units: float = 0.0, chunks: float = 0.0) -> None:
+        """One decode step of B sequences that emitted `emitted` tokens from `drafted` draft nodes; units: the key
+        chunks its pass read (attention_units), chunks: those a plain pass over the same sequences reads."""
+        predicted = self.predict(arm, B, chunks)
         self.cost.record(tokens_in_pass, forward_s)
         self.pass_cost.record(tokens_in_pass, B, forward_s)
-        units = attention_units(contexts, q_lens, *self.attend) if contexts and q_lens else 0.0
         self.step_cost.record(B, tokens_in_pass, step_s - draft_s, units)
         if predicted:
             key = (batch_bucket(B), arm)

@@ -17,6 +17,7 @@ from .budgets import LengthTracker, block_budget, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
 from .selector import OFF, Arm, Selector
+from .step_cost import attention_units
 from .tree import DraftTree
 from .verify import Verdict
 from .watchdog import Watchdog
@@ -158,11 +159,14 @@ class Speculator:
         cfg = self.cfg
         contexts = self._contexts if len(self._contexts) == B else None  # as planned (None: a step not planned)
         trees = self._trees or [None] * B
-        plain = self.selector.plain_step_s(B, contexts)
+        sel = self.selector
+        chunks = sel.chunks(contexts)
+        units = attention_units(contexts, [1 + len(t) if t else 1 for t in trees], *sel.attend) if contexts else 0.0
+        plain = sel.plain_step_s(B, chunks)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
-        self.selector.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted,
-                             record.drafted, record.draft_s, contexts, [1 + len(t) if t else 1 for t in trees])
+        sel.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted, record.drafted,
+                   record.draft_s, units, chunks)
         if record.drafted:
             self._watch(arm.drafter, "verified", record.accepted, record.drafted, running)
         for s, tree, v in zip(running, trees, verdicts):
