@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from typing import Protocol
 
 from .config import SpecConfig
+from .backoff import BackoffModel, coupled_chain
 from .suffix import TokenIndex, TreeShape, build_tree
 from .tree import DraftTree
 
@@ -135,7 +136,9 @@ class HistoryDrafter(ModelFreeDrafter):
         if m < self.cfg.min_match:
             return None
         budget = min(budget, int(self.cfg.match_factor * m + self.cfg.match_offset))
-        return build_tree(ph.index.streams, occ, TreeShape(budget, depth, self.cfg.min_prob, self.chains), self.name)
+        couple = (seq.seed, len(seq.output_ids)) if self.cfg.coupled and not seq.params.greedy else None
+        return build_tree(ph.index.streams, occ, TreeShape(budget, depth, self.cfg.min_prob, self.chains), self.name,
+                          couple)
 
     def accept(self, seq, tokens: list[int]) -> None:
         ph, sid = seq.spec["history"]
@@ -176,28 +179,41 @@ class HistoryDrafter(ModelFreeDrafter):
 
 
 class NgramDrafter(ModelFreeDrafter):
-    """Prompt lookup: the continuation of the longest n-gram match in the sequence's own prompt and output."""
+    """Prompt lookup: the sequence's own prompt and output. Greedy requests: the continuation of the longest n-gram
+    match. Sampled requests (cfg.coupled): a chain drawn from a backoff model of the text with the verifier's own
+    noise (spec/backoff.py), whose number classes the engine gives (`classes`)."""
 
     name = "ngram"
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
+        self.classes: dict[int, int] = {}
 
     def start(self, seq) -> None:
+        text = seq.prompt_ids + seq.output_ids
+        if self.cfg.coupled and not seq.params.greedy:
+            seq.spec["ngram"] = BackoffModel(text, self.classes)
+            return
         index = TokenIndex(max_n=3, max_occurrences=16)
-        index.add_stream(seq.prompt_ids + seq.output_ids)
+        index.add_stream(text)
         seq.spec["ngram"] = index
 
     def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
-        index: TokenIndex = seq.spec["ngram"]
-        m, occ = index.match(index.streams[0][-self.cfg.max_match - 1 :], self.cfg.max_match)
+        model = seq.spec["ngram"]
+        if isinstance(model, BackoffModel):
+            return coupled_chain(model, min(budget, depth), seq.seed, len(seq.output_ids), self.name)
+        m, occ = model.match(model.streams[0][-self.cfg.max_match - 1 :], self.cfg.max_match)
         if m < 1:
             return None
         shape = TreeShape(min(budget, depth), depth, 0.0, chain=True)
-        return build_tree(index.streams, occ[-1:], shape, self.name)  # the most recent occurrence
+        return build_tree(model.streams, occ[-1:], shape, self.name)  # the most recent occurrence
 
     def accept(self, seq, tokens: list[int]) -> None:
-        seq.spec["ngram"].extend(0, tokens)
+        model = seq.spec["ngram"]
+        if isinstance(model, BackoffModel):
+            model.extend(tokens)
+        else:
+            model.extend(0, tokens)
 
 
 class FallbackDrafter:

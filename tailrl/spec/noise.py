@@ -148,7 +148,7 @@ def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.full((N,), V, dtype=torch.long, device=x.device).scatter_reduce(0, r[win], v[win], "amin")
 
 
-def _gumbel_py(key: int, v: int) -> float:
+def gumbel_py(key: int, v: int) -> float:
     """`gumbel` for one entry in Python integers (the same hash bits; float64 instead of float32 logs)."""
     x = (key + v * (_GOLDEN32 & 0xFFFFFFFF)) & 0xFFFFFFFF
     x ^= x >> 16
@@ -167,7 +167,7 @@ def draw(logp: torch.Tensor, seed: int, position: int) -> int:
         return int(gumbel_argmax(logp[None], row_keys([seed], [position], logp.device))[0])
     key = hash3(seed, position, 0) & 0xFFFFFFFF
     lp = logp.tolist()
-    return max((x + _gumbel_py(key, v), v) for v, x in enumerate(lp) if x != float("-inf"))[1]
+    return max((x + gumbel_py(key, v), v) for v, x in enumerate(lp) if x != float("-inf"))[1]
 
 
 def draw_without_replacement(logp: torch.Tensor, seed: int, stream: int, k: int) -> list[int]:
