@@ -28,13 +28,15 @@ def test_greedy_with_speculation_equals_without(smollm, mode):
     assert accepted > 0, "speculation never accepted a draft token: the test exercised nothing"
 
 
-def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm):
-    """The noise for a token depends only on (seed, position), so deterministic drafts change nothing at all;
-    a difference is allowed only where two perturbed logits tie within float noise, and that is checked."""
+@pytest.mark.parametrize("mode", ["history", "ngram"])
+def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm, mode):
+    """The noise for a token depends only on (seed, position), so deterministic drafts change nothing at all, even
+    drafts drawn with that very noise (ngram's coupled chains, spec/backoff.py); a difference is allowed only where
+    two perturbed logits tie within float noise, and that is checked."""
     model, tok = smollm
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, n=2, seed=11)
     plain = Engine(model, tok, EngineConfig(kv_cache_gb=1.0)).generate(CHATS, params)
-    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history", min_match=1)))
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode=mode, min_match=1)))
     eng.generate(CHATS, params)  # the first epoch feeds the history of the second
     outs = eng.generate(CHATS, params)
     assert sum(o.stats["accepted"] for o in outs) > 0
