@@ -6,7 +6,6 @@ import torch
 
 from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, number_classes
 from tailrl.spec.noise import draw
-from tailrl.spec.suffix import TreeShape, build_tree
 
 V = 32
 A, E, X = 20, 21, 22  # a separator, an end-of-line and a line-start token; 1..9 play digits
@@ -92,16 +91,3 @@ class _Tokenizer:
 def test_number_classes_of_a_tokenizer():
     assert number_classes(_Tokenizer()) == {1: NUMBER, 2: SPACED_NUMBER, 3: SPACED_NUMBER, 6: NUMBER}
     assert number_classes(None) == {}
-
-
-def test_history_chains_are_drawn_with_the_verifiers_noise():
-    """Continuations b and c, once each after the matched context: the coupled history chain picks the verifier's
-    draw under p = (1/2, 1/2) at every seed."""
-    b, c = 5, 6
-    streams = [[A, b, E], [A, c, E]]
-    occurrences = [(0, 1), (1, 1)]
-    policy = flat_policy([b, c])
-    for seed in range(100):
-        tree = build_tree(streams, occurrences, TreeShape(4, 4, 0.0, chain=True), "history", couple=(seed, 9))
-        assert tree.tokens[0] == draw(policy, seed, 9)
-        assert tree.tokens[1:] == [E]

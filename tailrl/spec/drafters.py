@@ -136,9 +136,7 @@ class HistoryDrafter(ModelFreeDrafter):
         if m < self.cfg.min_match:
             return None
         budget = min(budget, int(self.cfg.match_factor * m + self.cfg.match_offset))
-        couple = (seq.seed, len(seq.output_ids)) if self.cfg.coupled and not seq.params.greedy else None
-        return build_tree(ph.index.streams, occ, TreeShape(budget, depth, self.cfg.min_prob, self.chains), self.name,
-                          couple)
+        return build_tree(ph.index.streams, occ, TreeShape(budget, depth, self.cfg.min_prob, self.chains), self.name)
 
     def accept(self, seq, tokens: list[int]) -> None:
         ph, sid = seq.spec["history"]

@@ -8,11 +8,9 @@ each occurrence, count the continuations in a trie and expand it best-first by e
 from __future__ import annotations
 
 import heapq
-import math
 from array import array
 from dataclasses import dataclass
 
-from .noise import gumbel_py, hash3
 from .tree import DraftTree
 
 
@@ -118,10 +116,8 @@ class TreeShape:
     chain: bool = False  # follow only the most frequent child
 
 
-def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], shape: TreeShape, drafter: str,
-               couple: tuple[int, int] | None = None) -> DraftTree | None:
-    """Best-first tree over the continuations that follow the occurrences. couple = (seed, position): a chain
-    whose every token is drawn from the continuations' counts with the verifier's noise (coupled_chain)."""
+def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], shape: TreeShape, drafter: str) -> DraftTree | None:
+    """Best-first tree over the continuations that follow the occurrences."""
     if shape.budget < 1 or shape.max_depth < 1 or not occurrences:
         return None
     # trie of continuations: node -> {token: [count, child]}
@@ -134,8 +130,6 @@ def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], sha
                 entry = node[t] = [0, {}]
             entry[0] += 1
             node = entry[1]
-    if couple is not None and shape.chain:
-        return _coupled_trie_chain(root, len(occurrences), shape, drafter, *couple)
     tokens, parents, cond, support = [], [], [], []
     total = len(occurrences)
     heap = [(-c / total, k, t, -1, child, c, total) for k, (t, (c, child)) in enumerate(_ranked(root))]
@@ -157,23 +151,6 @@ def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], sha
             heapq.heappush(heap, (neg_p * c / parent_count, counter, t, me, child, c, parent_count))
             counter += 1
     return DraftTree(tokens, parents, drafter=drafter, cond=cond, support=support) if tokens else None
-
-
-def _coupled_trie_chain(root: dict, total: int, shape: TreeShape, drafter: str, seed: int, position: int) -> DraftTree | None:
-    tokens, cond, support = [], [], []
-    node, of, prob = root, total, 1.0
-    while node and len(tokens) < min(shape.budget, shape.max_depth):
-        key = hash3(seed, position + len(tokens), 0) & 0xFFFFFFFF
-        tok = max(node, key=lambda t: math.log(node[t][0] / of) + gumbel_py(key, t))
-        count, child = node[tok]
-        prob *= count / of
-        if prob < shape.min_prob:
-            break
-        tokens.append(tok)
-        cond.append(count / of)
-        support.append(of)
-        node, of = child, count
-    return DraftTree(tokens, list(range(-1, len(tokens) - 1)), drafter=drafter, cond=cond, support=support) if tokens else None
 
 
 def _ranked(children: dict) -> list:
