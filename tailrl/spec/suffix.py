@@ -155,4 +155,3 @@ def build_tree(streams: list[list[int]], occurrences: list[tuple[int, int]], sha
 
 def _ranked(children: dict) -> list:
     return sorted(children.items(), key=lambda kv: -kv[1][0])
-
