@@ -13,7 +13,7 @@ to max_class_n tokens in which every number token stands for its class ("a numbe
 Reasoning text repeats templates with other numbers in them ("So, each friend gets 63491*4 = 21598." line after
 line; "#### 105", "#### 106", ...): the class contexts see the template where exact ones see a number never seen
 before. A class predicted next is spread over that class's tokens by the estimate below it. On recorded long-preset
-rollouts (benchmarks/RESULTS.md) the slowest capped response needed 566 decode steps with exact contexts and 417
+rollouts (benchmarks/RESULTS.md) the slowest capped response needed 566 decode steps with exact contexts and 424
 with number classes, at 7-token chains."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class BackoffModel:
         self.classes, self.max_n = classes, max_n
         self.max_class_n = max_class_n if classes else 0
         self.tokens: list[int] = []
+        self.token_classes: list[int] = []  # each token's class (its own id where it has none)
         self.counted = 0
         self.exact: dict[int, dict[int, int]] = {}  # context key -> {next token: count}
         self.by_class: dict[int, dict[int, int]] = {}  # class context key -> {next token or class: count}
@@ -56,12 +57,14 @@ class BackoffModel:
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
+        if self.max_class_n:
+            self.token_classes.extend(self.classes.get(t, t) for t in tokens)
 
     def _cls(self, t: int) -> int:
         return self.classes.get(t, t)
 
     def _count(self) -> None:
-        s, cls, exact, by_class = self.tokens, self._cls, self.exact, self.by_class
+        s, cs, exact, by_class = self.tokens, self.token_classes, self.exact, self.by_class
         for i in range(self.counted, len(s)):
             t = s[i]
             key = 0
@@ -72,12 +75,12 @@ class BackoffModel:
                     d = exact[key] = {}
                 d[t] = d.get(t, 0) + 1
             if self.max_class_n:
-                c = cls(t)
+                c = cs[i]
                 if c < 0 and t not in self.members.setdefault(c, []):
                     self.members[c].append(t)
                 key = 0
                 for n in range(1, min(self.max_class_n, i) + 1):
-                    key = (key << KEY_BITS) | (_slot(cls(s[i - n])))
+                    key = (key << KEY_BITS) | _slot(cs[i - n])
                     if n >= 2:
                         d = by_class.get(key)
                         if d is None:
@@ -138,7 +141,7 @@ def coupled_chain(model: BackoffModel, depth: int, seed: int, position: int, dra
         if not q:
             break
         key = hash3(seed, position + k, 0) & 0xFFFFFFFF
-        tok = max(q, key=lambda t: math.log(q[t]) + gumbel_py(key, t) if q[t] > 0 else -math.inf)
+        tok = max(q, key=lambda t: math.log(q[t]) + gumbel_py(key, t))  # q holds no zeros
         tokens.append(tok)
         ctx.append(tok)
     return DraftTree(tokens, list(range(-1, len(tokens) - 1)), drafter=drafter) if tokens else None

@@ -23,7 +23,7 @@ class SpecConfig:
     # (spec/budgets.py)
     das: str = "share"
     # sampled requests: the n-gram drafter drafts with the verifier's own noise from a backoff estimate of what
-    # follows (spec/suffix.py coupled_chain), not the most frequent continuation
+    # follows (spec/backoff.py coupled_chain), not the most frequent continuation
     coupled: bool = True
     min_match: int = 2  # history: shortest suffix match worth drafting from
     match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset
