@@ -29,7 +29,7 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, 
     group = H // keys.shape[1]
     o = F.scaled_dot_product_attention(q.reshape(B, keys.shape[1], group * Q, D), keys, vals,
                                        attn_mask=mask.repeat(1, 1, group, 1))
-    return o.view(B, H, Q, D)
+    return o.reshape(B, H, Q, D)
 
 
 @dataclass
