@@ -7,7 +7,10 @@ with the sequence's own n-gram drafter, one verify step at a time. The recorded 
 emits the match plus one token. No model runs here. The drafters compared:
 - `most frequent`: the continuation of the longest match (the n-gram drafter before session 18; greedy requests);
 - `coupled, exact`: spec/backoff.py's chains drawn with the verifier's noise, exact contexts only;
-- `coupled, classes`: the same with number classes (what sampled requests draft now).
+- `coupled, classes`: the same with number classes, and the template level's repeating columns (they need no
+  digits);
+- `+ counting columns`: the same with the digit tokens, so that the template level also counts (what sampled
+  requests draft now).
 
 The slowest response decides when a rollout ends, so the table gives the most steps any response needed beside the
 mean tokens per step.
@@ -24,7 +27,7 @@ from types import SimpleNamespace
 
 from tailrl.config import load_config
 from tailrl.engine.sequence import Sequence
-from tailrl.spec.backoff import number_classes
+from tailrl.spec.backoff import digit_values, number_classes
 from tailrl.spec.config import SpecConfig
 from tailrl.spec.drafters import NgramDrafter
 
@@ -60,12 +63,13 @@ def record_rollout(preset: str, seed: int, run: Path | None) -> tuple[list[tuple
     return seen, tokenizer
 
 
-def steps_needed(seqs, depth: int, coupled: bool, classes: dict[int, int]) -> list[tuple[int, int]]:
+def steps_needed(seqs, depth: int, coupled: bool, classes: dict[int, int],
+                 digits: dict[int, int] | None = None) -> list[tuple[int, int]]:
     """(response length, verify steps) per response, drafting `depth`-token chains at every step."""
     out = []
     for seed, prompt, output in seqs:
         drafter = NgramDrafter(SpecConfig(coupled=coupled))
-        drafter.chains, drafter.classes = True, classes
+        drafter.chains, drafter.classes, drafter.digits = True, classes, digits or {}
         s = SimpleNamespace(seed=seed, prompt_ids=prompt, output_ids=output[:1], spec={},
                             params=SimpleNamespace(greedy=False))
         drafter.start(s)
@@ -97,13 +101,14 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for seed in ([None] if args.run else args.seeds):
         seqs, tokenizer = record_rollout(args.preset, seed, args.run)
-        classes = number_classes(tokenizer)
+        classes, digits = number_classes(tokenizer), digit_values(tokenizer)
         cap = max(len(o) for _, _, o in seqs)
         name = str(args.run) if args.run else f"{args.preset} seed {seed}, first"
         for depth in args.depths:
-            for label, coupled, cls in (("most frequent", False, {}), ("coupled, exact", True, {}),
-                                        ("coupled, classes", True, classes)):
-                r = steps_needed(seqs, depth, coupled, cls)
+            for label, coupled, cls, dig in (("most frequent", False, {}, {}), ("coupled, exact", True, {}, {}),
+                                             ("coupled, classes", True, classes, {}),
+                                             ("+ counting columns", True, classes, digits)):
+                r = steps_needed(seqs, depth, coupled, cls, dig)
                 capped = [x for x in r if x[0] == cap]
                 per = lambda xs: sum(L for L, _ in xs) / max(1, sum(st for _, st in xs))
                 print(f"| {name} | {depth} | {label} | {max(st for _, st in r)} | {per(r):.2f} | "

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, number_classes
+from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, digit_values, number_classes
 from tailrl.spec.noise import draw
 
 V = 32
@@ -91,3 +91,48 @@ class _Tokenizer:
 def test_number_classes_of_a_tokenizer():
     assert number_classes(_Tokenizer()) == {1: NUMBER, 2: SPACED_NUMBER, 3: SPACED_NUMBER, 6: NUMBER}
     assert number_classes(None) == {}
+
+
+def _counting_lines(start: int, lines: int) -> list[int]:
+    """X d d E per line, the two digits counting up from `start` (1..9 stand for digits 1..9, 10 for 0)."""
+    tok = lambda d: d if d else 10  # noqa: E731
+    return [t for n in range(start, start + lines) for t in (X, tok(n // 10 % 10), tok(n % 10), E)]
+
+
+def test_the_template_level_counts_a_column_to_a_digit_never_seen_after_its_context():
+    """Lines that count (X 1 2 E, X 1 3 E, ..., X 1 8 E): after "X 1" the text has seen 2..8 follow, never 9, and
+    every context of the text says one of those. The counting column says 8 + (8 - 7) = 9; with the digit tokens
+    the estimate puts most of its mass there, without them 9 has none."""
+    digits = {d: d for d in DIGITS} | {10: 0}
+    classes = {t: NUMBER for t in digits}
+    text = _counting_lines(12, 7) + [X, 1]
+    counting = BackoffModel(text, classes, digits=digits)
+    q = counting.distribution(text)
+    assert max(q, key=q.get) == 9 and q[9] > 0.5, q
+    assert 9 not in BackoffModel(text, classes).distribution(text)
+    # the next line's carry: after X 1 9 E comes X 2 0 (a counting tens column predicts 1 + (1 - 1) = 1 there: the
+    # column's step, not the carry, so a carry is one miss)
+    q = counting.distribution(text + [9, E, X])
+    assert max(q, key=q.get) == 1
+
+
+def test_the_template_level_weighs_itself_by_how_often_it_held():
+    """Two streams of the same template: in one the second digit counts, in the other it is random (the first digit
+    is 1 in both, a column whose step 0 always holds). The weight of counting predictions is their hit rate over both
+    columns: about 0.84 in the first, 0.67 in the second (seeded), and so is the guess's share of q."""
+    digits = {d: d for d in DIGITS} | {10: 0}
+    classes = {t: NUMBER for t in digits}
+    g = torch.Generator().manual_seed(1)
+    noise = [t for _ in range(12) for t in (X, 1, 1 + int(torch.randint(9, (1,), generator=g)), E)]
+    counting, random_ = (BackoffModel(text + [X, 1], classes, digits=digits)
+                         for text in (_counting_lines(11, 8), noise))
+    q_count = counting.distribution(counting.tokens)  # counting is lazy: the hit rates are known after a query
+    q_rand = random_.distribution(random_.tokens)
+    assert counting.trust[0] > 0.8 and random_.trust[0] < 0.7, (counting.trust, random_.trust)
+    guess = random_._template(random_._class_keys(random_.token_classes, len(random_.tokens)))
+    assert guess is not None and q_rand[guess[0]] < 0.7 < 0.8 < max(q_count.values()), (q_count, q_rand)
+
+
+def test_digit_values_of_a_tokenizer():
+    assert digit_values(_Tokenizer()) == {1: 5, 3: 7}
+    assert digit_values(None) == {}

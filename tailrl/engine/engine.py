@@ -16,7 +16,7 @@ import torch
 
 from ..model.chunked import CHUNK, QUERY_BLOCK
 from ..model.llama import CausalLM
-from ..spec.backoff import number_classes
+from ..spec.backoff import digit_values, number_classes
 from ..spec.speculator import Speculator
 from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
@@ -57,7 +57,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=QUERY_BLOCK if self.runner.invariant else 0, key_chunk=CHUNK,
-                                  classes=number_classes(tokenizer))
+                                  classes=number_classes(tokenizer), digits=digit_values(tokenizer))
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

@@ -14,7 +14,15 @@ Reasoning text repeats templates with other numbers in them ("So, each friend ge
 line; "#### 105", "#### 106", ...): the class contexts see the template where exact ones see a number never seen
 before. A class predicted next is spread over that class's tokens by the estimate below it. On recorded long-preset
 rollouts (benchmarks/RESULTS.md) the slowest capped response needed 566 decode steps with exact contexts and 424
-with number classes, at 7-token chains."""
+with number classes, at 7-token chains.
+
+On top sits a template level for text that counts ("#### 105", "#### 106", ...; "#### 2606 55", "#### 2707 66"):
+where the class context of at least MIN_TEMPLATE tokens occurred twice before, the token after its last occurrence
+a and the one before b predict what comes now: the digit a + (a - b) mod 10 where both are single digits (a column
+that counts), else a where a == b (a column that repeats). No context of the text predicts the last digit of a
+number never written before; the column's step does. Its weight in q is how often that kind of prediction held in
+the stream so far (an average over the last ~10). On the slowest response of one recorded rollout it cut the
+decode steps from 578 to 336."""
 
 from __future__ import annotations
 
@@ -25,7 +33,10 @@ from .noise import gumbel_py, hash3
 from .tree import DraftTree
 
 NUMBER, SPACED_NUMBER = -1, -2  # class ids (token ids are >= 0)
+MIN_TEMPLATE = 4  # tokens of class context that place a template's column (a shorter one matches anywhere)
+TRUST_DECAY = 0.9  # the template level's weight: a running average of its hits, this much memory per prediction
 KEY_BITS = 32  # a context is one int: its tokens (+1) from the last backwards, KEY_BITS each
+_DIGITS = [str(d) for d in range(10)]  # ASCII only: (class, digit) names one token
 _NUMBER = re.compile(r"[ \u0120\u2581]?\d+")  # byte-level BPE writes a leading space as U+0120, SentencePiece as U+2581
 
 
@@ -41,12 +52,31 @@ def number_classes(tokenizer) -> dict[int, int]:
             for i, p in enumerate(pieces) if isinstance(p, str) and _NUMBER.fullmatch(p)}
 
 
+def digit_values(tokenizer) -> dict[int, int]:
+    """{token id: its digit} for every token that is one digit, with or without one leading space."""
+    if tokenizer is None:
+        return {}
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:
+        return {}
+    return {i: int(p[-1]) for i, p in enumerate(pieces)
+            if isinstance(p, str) and p.lstrip(" \u0120\u2581") in _DIGITS and len(p) <= 2}
+
+
 class BackoffModel:
     """Counts of what followed each context in one stream. Lazy: `extend` appends, the next query counts."""
 
-    def __init__(self, tokens: list[int], classes: dict[int, int], max_n: int = 3, max_class_n: int = 10):
+    def __init__(self, tokens: list[int], classes: dict[int, int], max_n: int = 3, max_class_n: int = 10,
+                 digits: dict[int, int] | None = None):
+        """digits: {token id: digit} of single-digit tokens (digit_values), for the template level's counting
+        columns; without them it only repeats."""
         self.classes, self.max_n = classes, max_n
         self.max_class_n = max_class_n if classes else 0
+        self.digits = digits or {}
+        self.digit_token = {(classes.get(t, t), d): t for t, d in self.digits.items()}  # (class, digit) -> token
+        self.last_two: dict[int, tuple[int, int]] = {}  # class context key -> its last two next positions (or -1)
+        self.trust = [0.5, 0.5]  # the template level's hit rate: counting columns, repeating columns
         self.tokens: list[int] = []
         self.token_classes: list[int] = []  # each token's class (its own id where it has none)
         self.counted = 0
@@ -78,15 +108,43 @@ class BackoffModel:
                 c = cs[i]
                 if c < 0 and t not in self.members.setdefault(c, []):
                     self.members[c].append(t)
-                key = 0
-                for n in range(1, min(self.max_class_n, i) + 1):
-                    key = (key << KEY_BITS) | _slot(cs[i - n])
-                    if n >= 2:
+                keys = self._class_keys(cs, i)
+                guess = self._template(keys)
+                if guess is not None:  # what the template level would have said here, against what came
+                    kind = guess[1]
+                    self.trust[kind] = TRUST_DECAY * self.trust[kind] + (1 - TRUST_DECAY) * (guess[0] == t)
+                for n, key in enumerate(keys):
+                    if n >= 1:
                         d = by_class.get(key)
                         if d is None:
                             d = by_class[key] = {}
                         d[c] = d.get(c, 0) + 1
+                    if n + 1 >= MIN_TEMPLATE:
+                        last = self.last_two.get(key)
+                        self.last_two[key] = (i, last[0] if last else -1)
         self.counted = len(s)
+
+    def _class_keys(self, cs: list[int], end: int) -> list[int]:
+        """Keys of the class contexts of 1 .. max_class_n tokens before position end of cs (a list of classes)."""
+        keys, key = [], 0
+        for n in range(1, min(self.max_class_n, end) + 1):
+            key = (key << KEY_BITS) | _slot(cs[end - n])
+            keys.append(key)
+        return keys
+
+    def _template(self, keys: list[int]) -> tuple[int, int] | None:
+        """(token, kind) the template level predicts after the class contexts `keys` (kind 0: a counting column, 1:
+        a repeating one), or None: the longest context seen twice decides."""
+        for n in range(len(keys), MIN_TEMPLATE - 1, -1):
+            last = self.last_two.get(keys[n - 1])
+            if last is None or last[1] < 0:
+                continue
+            a, b = self.tokens[last[0]], self.tokens[last[1]]
+            if a in self.digits and b in self.digits:
+                step = self.digit_token.get((self.classes.get(a, a), (2 * self.digits[a] - self.digits[b]) % 10))
+                return (step, 0) if step is not None else None
+            return (a, 1) if a == b else None
+        return None
 
     def distribution(self, context: list[int]) -> dict[int, float]:
         """q over the tokens the stream holds, given context (the stream's end, plus any drafted tokens)."""
@@ -99,9 +157,9 @@ class BackoffModel:
             counts = self.exact.get(key)
             if counts:
                 levels.append((n, counts, False))
-        key = 0
-        for n in range(1, min(self.max_class_n, len(context)) + 1):
-            key = (key << KEY_BITS) | _slot(self._cls(context[-n]))
+        keys = self._class_keys([self._cls(t) for t in context[-self.max_class_n:]],
+                                min(self.max_class_n, len(context))) if self.max_class_n else []
+        for n, key in enumerate(keys, 1):
             counts = self.by_class.get(key) if n >= 2 else None
             if counts:
                 levels.append((n + 0.5, counts, True))
@@ -122,6 +180,11 @@ class BackoffModel:
                 for u, p in members:  # the class's mass, as the estimate below spreads it (none: dropped)
                     if p > 0:
                         q[u] = q.get(u, 0.0) + w * p / z
+        guess = self._template(keys) if keys else None
+        if guess is not None:
+            lam = self.trust[guess[1]]
+            q = {t: (1 - lam) * p for t, p in q.items()}
+            q[guess[0]] = q.get(guess[0], 0.0) + lam
         return q
 
 

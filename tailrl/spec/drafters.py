@@ -179,18 +179,19 @@ class HistoryDrafter(ModelFreeDrafter):
 class NgramDrafter(ModelFreeDrafter):
     """Prompt lookup: the sequence's own prompt and output. Greedy requests: the continuation of the longest n-gram
     match. Sampled requests (cfg.coupled): a chain drawn from a backoff model of the text with the verifier's own
-    noise (spec/backoff.py), whose number classes the engine gives (`classes`)."""
+    noise (spec/backoff.py), whose number classes and digit tokens the engine gives (`classes`, `digits`)."""
 
     name = "ngram"
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
         self.classes: dict[int, int] = {}
+        self.digits: dict[int, int] = {}
 
     def start(self, seq) -> None:
         text = seq.prompt_ids + seq.output_ids
         if self.cfg.coupled and not seq.params.greedy:
-            seq.spec["ngram"] = BackoffModel(text, self.classes)
+            seq.spec["ngram"] = BackoffModel(text, self.classes, digits=self.digits)
             return
         index = TokenIndex(max_n=3, max_occurrences=16)
         index.add_stream(text)

@@ -50,14 +50,15 @@ class Speculator:
         self._contexts: list[int] = []
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
-               classes: dict[int, int] | None = None) -> None:
+               classes: dict[int, int] | None = None, digits: dict[int, int] | None = None) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
         chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
         row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
         passes; 0: all at once): drafts are cut to whole blocks (block_budget), and so are the selector's budgets.
         key_chunk: the keys it reads at a time (CHUNK in invariant passes): the selector prices a step's attention
         in such chunks (step_cost.attention_units).
-        classes: token classes of the tokenizer (spec/backoff.py number_classes) for drafters that model text."""
+        classes, digits: token classes and single-digit tokens of the tokenizer (spec/backoff.py number_classes,
+        digit_values) for drafters that model text."""
         self.vocab_size = kv.cfg.vocab_size
         self.row_block = row_block
         budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
@@ -68,6 +69,8 @@ class Speculator:
             d.chains = chains
             if classes is not None and hasattr(d, "classes"):
                 d.classes = classes
+            if digits is not None and hasattr(d, "digits"):
+                d.digits = digits
             d.attach(kv)
 
     def start(self, seqs: list) -> None:
