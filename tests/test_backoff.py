@@ -136,3 +136,16 @@ def test_the_template_level_weighs_itself_by_how_often_it_held():
 def test_digit_values_of_a_tokenizer():
     assert digit_values(_Tokenizer()) == {1: 5, 3: 7}
     assert digit_values(None) == {}
+
+
+def test_the_copy_level_continues_a_number_like_the_last_one_that_began_the_same():
+    """After four lines "X 8 1 E" the text writes "X 8 4 2 6 E" and then "A 8": every exact context says 1 follows
+    8 (four times to one), but the number being written continues like the most recent number that began with 8,
+    so the copy level puts most of the mass on 4. Without number classes there is no copy level and 1 wins."""
+    digits = {d: d for d in DIGITS}
+    classes = {t: NUMBER for t in digits}
+    text = [t for _ in range(4) for t in (X, 8, 1, E)] + [X, 8, 4, 2, 6, E, A, 8]
+    q = BackoffModel(text, classes, digits=digits).distribution(text)
+    assert max(q, key=q.get) == 4 and q[4] > 0.5, q
+    q = BackoffModel(text, {}).distribution(text)
+    assert max(q, key=q.get) == 1, q
