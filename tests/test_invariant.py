@@ -150,6 +150,26 @@ def test_probe_holds_here_and_names_a_broken_construction(smollm_bf16, monkeypat
     assert not eng.runner.invariant and eng.invariance is broken
 
 
+def test_probe_finds_a_prompt_that_prefills_differently_beside_another(smollm_bf16, monkeypatch):
+    """What broke on an Intel CPU with AMX at 2 threads (benchmarks/RESULTS.md, session 19), simulated: matrix products
+    of 320 rows or more round their rows otherwise, which no linear-row check sees (they stop at 272 rows) and no
+    decode step meets. Only a prompt prefilled beside another prompt (336 rows) against alone (304) shows it, and
+    the probe must name that."""
+    import tailrl.engine.probe as probe
+
+    model, _ = smollm_bf16
+    linear = torch.nn.functional.linear
+
+    def large_passes_round_otherwise(x, weight, bias=None):
+        y = linear(x, weight, bias)
+        return y * (1 + 2**-6) if x.dim() == 2 and x.shape[0] >= 320 else y
+
+    monkeypatch.setattr(torch.nn.functional, "linear", large_passes_round_otherwise)
+    monkeypatch.setattr(probe, "_CACHE", {})
+    verdict = probe.probe_invariance(model)
+    assert verdict.failed == ["end to end: a prompt prefilled beside another prompt differs from it prefilled alone"]
+
+
 ISAS = ["", "AVX512_CORE", "AVX512_CORE_BF16", "AVX2"]
 
 
