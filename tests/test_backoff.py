@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, digit_values, number_classes
+from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, digit_values, number_classes, token_classes
 from tailrl.spec.noise import draw
 
 V = 32
@@ -136,6 +136,7 @@ def test_the_template_level_weighs_itself_by_how_often_it_held():
 def test_digit_values_of_a_tokenizer():
     assert digit_values(_Tokenizer()) == {1: 5, 3: 7}
     assert digit_values(None) == {}
+    assert token_classes(_Tokenizer()) == (number_classes(_Tokenizer()), digit_values(_Tokenizer()))
 
 
 def test_the_copy_level_continues_a_number_like_the_last_one_that_began_the_same():

@@ -16,7 +16,7 @@ import torch
 
 from ..model.chunked import CHUNK, QUERY_BLOCK
 from ..model.llama import CausalLM
-from ..spec.backoff import digit_values, number_classes
+from ..spec.backoff import token_classes
 from ..spec.speculator import Speculator
 from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
@@ -55,9 +55,10 @@ class Engine:
         self.runner = ModelRunner(model, budget, cfg.max_num_seqs, self.max_model_len, capture, cfg.cuda_graphs,
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
+            classes, digits = token_classes(tokenizer)
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=QUERY_BLOCK if self.runner.invariant else 0, key_chunk=CHUNK,
-                                  classes=number_classes(tokenizer), digits=digit_values(tokenizer))
+                                  classes=classes, digits=digits)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

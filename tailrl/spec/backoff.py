@@ -46,28 +46,36 @@ _DIGITS = [str(d) for d in range(10)]  # ASCII only: (class, digit) names one to
 _NUMBER = re.compile(r"[ \u0120\u2581]?\d+")  # byte-level BPE writes a leading space as U+0120, SentencePiece as U+2581
 
 
-def number_classes(tokenizer) -> dict[int, int]:
-    """{token id: NUMBER or SPACED_NUMBER} for every token that is digits, with or without one leading space."""
+def _pieces(tokenizer) -> list:
+    """Every token's piece, or [] for no tokenizer or one without convert_ids_to_tokens (then no classes: exact
+    contexts only)."""
     if tokenizer is None:
-        return {}
+        return []
     try:
-        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    except Exception:  # a tokenizer without the method: no classes, exact contexts only
-        return {}
+        return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:
+        return []
+
+
+def number_classes(tokenizer, pieces: list | None = None) -> dict[int, int]:
+    """{token id: NUMBER or SPACED_NUMBER} for every token that is digits, with or without one leading space.
+    pieces: the tokenizer's pieces when the caller has them (_pieces)."""
+    pieces = _pieces(tokenizer) if pieces is None else pieces
     return {i: (NUMBER if p[0].isdigit() else SPACED_NUMBER)
             for i, p in enumerate(pieces) if isinstance(p, str) and _NUMBER.fullmatch(p)}
 
 
-def digit_values(tokenizer) -> dict[int, int]:
+def digit_values(tokenizer, pieces: list | None = None) -> dict[int, int]:
     """{token id: its digit} for every token that is one digit, with or without one leading space."""
-    if tokenizer is None:
-        return {}
-    try:
-        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    except Exception:
-        return {}
+    pieces = _pieces(tokenizer) if pieces is None else pieces
     return {i: int(p[-1]) for i, p in enumerate(pieces)
             if isinstance(p, str) and p.lstrip(" \u0120\u2581") in _DIGITS and len(p) <= 2}
+
+
+def token_classes(tokenizer) -> tuple[dict[int, int], dict[int, int]]:
+    """(number_classes, digit_values) of a tokenizer, its pieces read once."""
+    pieces = _pieces(tokenizer)
+    return number_classes(None, pieces), digit_values(None, pieces)
 
 
 class BackoffModel:
