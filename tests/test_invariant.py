@@ -93,14 +93,17 @@ def test_chunked_attention_matches_dense_attention_in_fp32(tiny_ckpt):
 
 def test_chunk_plan_reads_only_the_chunks_each_sequence_reaches():
     """A pass's attention cost follows what the sequences hold: one sequence at 10 keys reads one chunk, one at
-    CHUNK + 10 reads two, whatever the cache's capacity; a deep draft adds query blocks, not chunks."""
+    CHUNK + 10 reads two, whatever the cache's capacity; a deep draft adds query blocks, not chunks, and its blocks
+    share one kernel item per chunk."""
     step = make_step([10, CHUNK + 10], [1, 9], [0, 1], invariant=True,
                      tree_parents=torch.tensor([[0] * 9, [0] + list(range(8))]))
     plan = step.chunks
     assert sorted(zip(plan.pair_slot.tolist(), plan.pair_chunk.tolist())) == [(0, 0), (1, 0), (1, 1)]
     assert plan.grid.shape == (1 + 3, 2)  # seq 0: one query block; seq 1: 9 rows in 3 blocks of QUERY_BLOCK
     assert plan.token_rows.tolist() == [0] + [QUERY_BLOCK + i for i in range(9)]
-    n_items = sum(c.rows.shape[0] for c in plan.calls)
+    # seq 1's three blocks all reach both its chunks: one item of 3 blocks per chunk, in a call of its own size
+    assert [(c.blocks, c.rows.shape[0]) for c in plan.calls] == [(1, 1), (3, 2)]
+    n_items = sum(c.rows.shape[0] * c.blocks for c in plan.calls)
     assert plan.grid[0].tolist() == [plan.grid[0, 0].item(), n_items]  # seq 0 has no second chunk: the empty item
     assert step.row_tile == ROW_TILE and step.mask is None
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE, kernel, tiled_linear
+from ..model.chunked import CHUNK, FOLD, QUERY_BLOCK, ROW_TILE, kernel, tiled_linear
 from ..model.llama import CausalLM
 from ..model.step import make_step
 from .kv_cache import KVCache
@@ -83,7 +83,8 @@ def _linear_rows(model: CausalLM) -> list[str]:
 
 def _attention_items(model: CausalLM) -> list[str]:
     """A kernel item (QUERY_BLOCK query tokens x CHUNK keys) gives the same bits in a call of 1 or many items, with
-    its keys gathered or expanded, with other query rows beside it and at another row of its block."""
+    other query rows beside it, at another row of its block, and as one block of an item of 2..FOLD blocks (the
+    blocks of one sequence that read the same chunk share an item, model/chunked.py)."""
     c = model.config
     group, kvh, D = c.num_attention_heads // c.num_key_value_heads, c.num_key_value_heads, c.head_dim
     R, n = group * QUERY_BLOCK, 9
@@ -96,11 +97,7 @@ def _attention_items(model: CausalLM) -> list[str]:
     mask = torch.zeros(n, 1, R, CHUNK, dtype=torch.bool, device=model.device)
     mask[..., : CHUNK // 2 + 7] = True
     ref, ref_lse = kernel(q[:1], k[:1], v[:1], mask[:1])
-    wide_k, wide_v = rand(n, kvh, 2 * CHUNK, D), rand(n, kvh, 2 * CHUNK, D)  # keys as a strided view of a cache
-    wide_k[:, :, CHUNK:], wide_v[:, :, CHUNK:] = k, v
-    checks = {"in a call of many items": kernel(q, k, v, mask),
-              "with its keys expanded": kernel(q, k[:1].expand(n, -1, -1, -1), v[:1].expand(n, -1, -1, -1), mask),
-              "with its keys a view of a longer cache": kernel(q, wide_k[:, :, CHUNK:], wide_v[:, :, CHUNK:], mask)}
+    checks = {"in a call of many items": kernel(q, k, v, mask)}
     other = q.clone()
     other[:, :, 1:] = rand(n, kvh, R - 1, D)
     checks["beside other query rows"] = kernel(other, k, v, mask)
@@ -111,6 +108,16 @@ def _attention_items(model: CausalLM) -> list[str]:
     o, _ = kernel(moved, k[:1], v[:1], mask[:1])
     if not torch.equal(o[:, :, 1:2], ref[:, :, :1]):
         return [f"attention item ({R} rows x {CHUNK} keys): a row differs at another place in its block"]
+    qf = rand(n, kvh, FOLD * R, D)
+    mf = torch.arange(CHUNK, device=model.device) < torch.randint(1, CHUNK, (n, 1, FOLD * R, 1), generator=g).to(
+        model.device)  # every row sees its own prefix of the chunk, as causal rows do
+    for m in range(2, FOLD + 1):
+        o, lse = kernel(qf[:, :, : m * R], k, v, mf[:, :, : m * R])
+        for b in (0, m - 1):
+            rows = slice(b * R, (b + 1) * R)
+            o1, lse1 = kernel(qf[:, :, rows], k, v, mf[:, :, rows])
+            if not (torch.equal(o[:, :, rows], o1) and torch.equal(lse[:, :, rows], lse1)):
+                return [f"attention item ({R} rows x {CHUNK} keys): a block's rows differ in an item of {m} blocks"]
     return []
 
 

@@ -10,9 +10,12 @@ depends on the pass:
 - keys are read in chunks of CHUNK positions at absolute offsets (0..255, 256..511, ...), each chunk one kernel
   item of exactly CHUNK keys (one key block of the CPU kernel); a sequence reads only the chunks its own tokens
   reach, so the cost grows with what it holds, not with the cache's capacity or `max_tokens`;
-- queries go in blocks of QUERY_BLOCK tokens (the group of query heads that share a K/V head stacked, so an item
-  has group * QUERY_BLOCK rows, below the 64 where the CPU kernel would pack): a decode row, a draft row and a
-  prefill row are each one row of such an item, at the same key chunks;
+- queries go in blocks of QUERY_BLOCK tokens (the group of query heads that share a K/V head stacked): a decode
+  row, a draft row and a prefill row are each one row of such a block, at the same key chunks. The blocks of one
+  sequence that read the same chunk (a verify pass's 8 or 16 rows, a prefill's) are one kernel item of up to FOLD
+  blocks (group * QUERY_BLOCK * FOLD rows, below the 64 where the CPU kernel would pack): the kernel computes a
+  row the same in an item of one block or of several (the probe checks it), and a deep draft then costs one
+  larger product per chunk instead of one item per block;
 - the chunks' partial results are merged per row by log-sum-exp in ascending chunk order with elementwise ops whose
   transcendental parts run through one scalar path (`_exp`, `_log1p`), so no element's bits depend on where a
   vectorised loop's tail fell. A chunk a row does not see (past its own position) is an exact no-op in the merge.
@@ -29,27 +32,32 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 256  # keys per kernel item (<= the CPU flash kernel's 512-key block: one block per item)
-QUERY_BLOCK = 4  # query tokens per kernel item
+QUERY_BLOCK = 4  # query tokens per block (the unit of a row's attention work)
+FOLD = 5  # at most this many blocks of one sequence share a kernel item (3 query heads a K/V head: 60 rows < 64)
 ROW_TILE = 16  # matrix products of an invariant pass run on a whole number of tiles of this many rows
 UNSEEN = -1e30  # log-sum-exp of a row that sees no key of a chunk: exp(UNSEEN - x) is exactly 0 for finite x
 
 
 @dataclass
 class ChunkCall:
-    """One kernel call: n items, each QUERY_BLOCK query tokens against one chunk of one sequence's keys. Every
-    layer of the pass makes it; what does not change between layers is built once (`bias`)."""
+    """One kernel call: n items of `blocks` query blocks each (consecutive blocks of one sequence), against one chunk
+    of that sequence's keys. Every layer of the pass makes it; what does not change between layers is built once
+    (`bias`)."""
 
-    pairs: torch.Tensor  # [n] (sequence, chunk) pair of each item, or [1] when every item reads the same one
-    rows: torch.Tensor  # [n, QUERY_BLOCK] packed token index of each query row (T: a zero row, padding)
-    mask: torch.Tensor  # [n, 1, QUERY_BLOCK, CHUNK] bool, True = the row sees that key
-    shared: bool  # all items read pairs[0]: the keys are one chunk expanded, not gathered per item
+    pairs: torch.Tensor  # [n] (sequence, chunk) pair of each item
+    rows: torch.Tensor  # [n, blocks * QUERY_BLOCK] packed token index of each query row (T: a zero row, padding)
+    mask: torch.Tensor  # [n, 1, blocks * QUERY_BLOCK, CHUNK] bool, True = the row sees that key
+    blocks: int = 1
     _bias: dict = None  # dtype -> (additive mask [n, 1, R, CHUNK] for `group` query heads a row, seen [n, 1, R])
 
     def bias(self, group: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows in (block, head in group, token) order: each block's rows as a one-block item lays them out."""
         if self._bias is None:
             self._bias = {}
         if dtype not in self._bias:
-            mask = self.mask.repeat(1, 1, group, 1)  # rows (head in group, token)
+            n, m = self.rows.shape[0], self.blocks
+            mask = self.mask.view(n, 1, m, 1, QUERY_BLOCK, CHUNK).expand(n, 1, m, group, QUERY_BLOCK, CHUNK)
+            mask = mask.reshape(n, 1, m * group * QUERY_BLOCK, CHUNK)
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             self._bias[dtype] = (bias, mask.any(-1))
         return self._bias[dtype]
@@ -92,19 +100,20 @@ def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc:
     ql_t = torch.tensor(q_lens, dtype=torch.long, device=dev)
     st_t = torch.tensor(starts, dtype=torch.long, device=dev)
     keys = list(pair_ids)
-    by_chunk: dict[int, list[int]] = {}  # pairs read by one query block, by chunk: one call each
-    for p, items in per_pair.items():
-        if len(items) == 1:
-            by_chunk.setdefault(keys[p][1], []).append(p)
-    groups = [(ps, [per_pair[p][0] for p in ps], False) for _, ps in sorted(by_chunk.items())] + \
-             [([p], items, True) for p, items in per_pair.items() if len(items) > 1]
+    by_size: dict[int, list[tuple[int, list]]] = {}  # blocks an item -> its items (pair, [(b, j, c) ...])
+    for p, items in per_pair.items():  # a pair's query blocks are consecutive (later blocks reach more chunks)
+        for i in range(0, len(items), FOLD):
+            part = items[i : i + FOLD]
+            by_size.setdefault(len(part), []).append((p, part))
     calls, item_of = [], {}
-    for pairs, items, shared in groups:
-        for it in items:
+    for m, folded in sorted(by_size.items()):
+        flat = [it for _, part in folded for it in part]
+        for it in flat:
             item_of[it] = len(item_of)
-        bjc = torch.tensor(items, dtype=torch.long, device=dev)
-        calls.append(ChunkCall(torch.tensor(pairs, dtype=torch.long, device=dev),
-                               *_rows_and_mask(bjc, cl_t, ql_t, st_t, anc, T), shared))
+        rows, mask = _rows_and_mask(torch.tensor(flat, dtype=torch.long, device=dev), cl_t, ql_t, st_t, anc, T)
+        n = len(folded)
+        calls.append(ChunkCall(torch.tensor([p for p, _ in folded], dtype=torch.long, device=dev),
+                               rows.view(n, m * QUERY_BLOCK), mask.view(n, 1, m * QUERY_BLOCK, CHUNK), m))
     n_items = len(item_of)
     width = max(len(ch) for ch in blocks)
     grid = torch.full((len(blocks), width), n_items, dtype=torch.long)
@@ -168,8 +177,7 @@ def kernel(q, keys, vals, mask, bias=None):
 def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: ChunkPlan,
                       blocks: list[torch.Tensor]) -> torch.Tensor:
     """q [T, heads, D] packed; k/v_pool [kv_heads, num_blocks, block, D], a paged cache whose block size divides
-    CHUNK; blocks[i]: the pool blocks of call i's items' key chunks, item after item (one item's when the call is
-    `shared`). Returns [T, heads * D]."""
+    CHUNK; blocks[i]: the pool blocks of call i's items' key chunks, item after item. Returns [T, heads * D]."""
     T, H, D = q.shape
     kvh = k_pool.shape[0]
     group = H // kvh
@@ -177,16 +185,18 @@ def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     qz = torch.cat([q, q.new_zeros(1, H, D)])
     outs, lses = [], []
     for call, blk in zip(plan.calls, blocks):
-        n = call.rows.shape[0]
-        qi = qz[call.rows].view(n, QUERY_BLOCK, kvh, group, D).permute(0, 2, 3, 1, 4).reshape(n, kvh, R, D)
+        n, m = call.rows.shape[0], call.blocks
+        qi = qz[call.rows].view(n, m, QUERY_BLOCK, kvh, group, D).permute(0, 3, 1, 4, 2, 5).reshape(n, kvh, m * R, D)
         # an item's chunk: its blocks gathered in order, per head [n, CHUNK, D], viewed as [n, kv_heads, CHUNK, D]
         keys, vals = (p.index_select(1, blk).view(kvh, -1, CHUNK, D).transpose(0, 1) for p in (k_pool, v_pool))
-        if call.shared:
-            keys, vals = keys.expand(n, -1, -1, -1), vals.expand(n, -1, -1, -1)
         bias, seen = call.bias(group, q.dtype)
         o, lse = kernel(qi, keys, vals, None, bias)
+        lse = torch.where(seen, lse, UNSEEN)
+        if m > 1:  # an item of m blocks -> m one-block items, as the merge's grid counts them
+            o = o.view(n, kvh, m, R, D).transpose(1, 2).reshape(n * m, kvh, R, D)
+            lse = lse.view(n, kvh, m, R).transpose(1, 2).reshape(n * m, kvh, R)
         outs.append(o.float())
-        lses.append(torch.where(seen, lse, UNSEEN))
+        lses.append(lse)
     outs.append(q.new_zeros(1, kvh, R, D, dtype=torch.float32))
     lses.append(torch.full((1, kvh, R), UNSEEN, device=q.device))
     O, L = torch.cat(outs), torch.cat(lses)
