@@ -38,6 +38,7 @@ def check(threads: int) -> str:
     hf_cfg = transformers.AutoConfig.for_model("llama", **SMOLLM2_135M)
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     model = build_model(ModelConfig.from_hf(hf_cfg.to_dict()), dict(hf.state_dict()), "cpu", torch.bfloat16)
+    verdict = probe_invariance(model)  # first: it sizes the product calls the passes below run in
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (CHUNK + 40,))
     short = torch.randint(0, model.config.vocab_size, (30,))
@@ -49,8 +50,10 @@ def check(threads: int) -> str:
         P = len(ids) - 1
         decode = model(ids[P:], make_step([P], [1], [0], invariant=True), kv)[0]
     rows = (together[30:] != alone).any(-1).nonzero().flatten().tolist()
-    return (f"probe {probe_invariance(model).summary()} | prefill beside another == alone: {not rows} "
-            f"({len(rows)} rows differ) | decode == prefill: {torch.equal(decode, alone[-1:])}")
+    calls = ", ".join(f"{i}->{o}: {n}" for (o, i), n in verdict.call_rows.items() if n < 256)
+    return (f"probe {verdict.summary()} | prefill beside another == alone: {not rows} "
+            f"({len(rows)} rows differ) | decode == prefill: {torch.equal(decode, alone[-1:])} | "
+            f"product calls below 256 rows: {calls or 'none'}")
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def main() -> None:
     model = smol_shaped()
     verdict = probe_invariance(model)
     out = {"isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "ok": verdict.ok, "failed": verdict.failed,
-           "probe_s": round(verdict.seconds, 3)}
+           "probe_s": round(verdict.seconds, 3), "call_rows": {"x".join(map(str, k)): v for k, v in verdict.call_rows.items()}}
     if args.generate:
         prompts = [[1 + (7 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(8)]
         params = SamplingParams(temperature=1.0, max_tokens=48, n=4, seed=3, ignore_eos=True)

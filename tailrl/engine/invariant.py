@@ -7,7 +7,9 @@ responses diverged in one test), and which ops round apart depends on the CPU: o
 with AVX512-BF16, with plain AVX-512 (where the LM head's rows change at 4 rows a pass) and with AVX2.
 
 So the invariant passes are built so that no kernel call's shape depends on the pass (model/chunked.py):
-- every matrix product runs on a whole number of ROW_TILE-row tiles (padding rows are dropped and write no K/V);
+- every matrix product runs on a whole number of ROW_TILE-row tiles (padding rows are dropped and write no K/V),
+  in calls no larger than the probe found every tile to keep its bits in, for that weight shape (on an Intel CPU
+  with AMX a product of 1,536 inner columns rounds its tiles otherwise in calls of 160 rows or more);
 - attention reads each sequence's own keys in CHUNK-key chunks at absolute offsets, in items of QUERY_BLOCK query
   tokens, merged per row in ascending chunk order through one scalar path: a decode row, a draft row and a prefill
   row of the same token meet the same calls, so a prompt may prefill beside others and a sequence re-prefilled

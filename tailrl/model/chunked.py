@@ -220,7 +220,19 @@ def pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     return x if m == n else torch.cat([x, x.new_zeros(m - n, *x.shape[1:])])
 
 
+def in_calls(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) in calls of at most `layer.call_rows` rows (whole tiles; the start-up probe sets it per weight
+    shape, engine/probe.py): on an Intel CPU with AMX, a product of 1,536 inner columns rounded every tile otherwise
+    in calls of 160 rows or more than in a tile's own call, and one of 4,864 columns (Qwen2.5-0.5B's) from 32-48
+    rows. Without the attribute (the probe did not run) one call."""
+    n = getattr(layer, "call_rows", 0)
+    if not n or x.shape[0] <= n:
+        return layer(x)
+    return torch.cat([layer(x[i : i + n]) for i in range(0, x.shape[0], n)])
+
+
 def tiled_linear(layer: torch.nn.Linear, x: torch.Tensor, tile: int) -> torch.Tensor:
-    """layer(x) computed on x's rows padded to a whole number of tiles: the product's shape class never depends
-    on how many rows the pass has below a tile (a kernel picks other code for few rows)."""
-    return F.linear(pad_rows(x, tile), layer.weight, layer.bias)[: x.shape[0]]
+    """layer(x) computed on x's rows padded to a whole number of tiles, in calls of at most `layer.call_rows` rows:
+    the product's shape class never depends on how many rows the pass has below a tile (a kernel picks other code
+    for few rows)."""
+    return in_calls(layer, pad_rows(x, tile))[: x.shape[0]]

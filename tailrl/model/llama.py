@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked import chunked_attention, pad_rows
+from .chunked import chunked_attention, in_calls, pad_rows
 from .config import ModelConfig
 from .step import StepMeta
 
@@ -109,11 +109,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, proj=None):
+        proj = proj or (lambda layer, t: layer(t))
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.n_kv, self.head_dim)
+        q = proj(self.q_proj, x).view(*shape, self.n_heads, self.head_dim)
+        k = proj(self.k_proj, x).view(*shape, self.n_kv, self.head_dim)
+        v = proj(self.v_proj, x).view(*shape, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
@@ -124,12 +125,13 @@ class Attention(nn.Module):
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
         invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
         gathered up to the pass's longest, under step.mask."""
-        q, k, v = self._qkv(x, cos, sin)  # [T, heads, D] (an invariant pass: padded to whole row tiles)
+        # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls)
+        q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else None)
         T = step.token_pos.shape[0]
         kv.write(self.layer_idx, step, k[:T], v[:T])
         if step.chunks is not None:  # written before it is read: a row sees its own key (model/chunked.py)
             o = chunked_attention(q[:T], *kv.pools(self.layer_idx), step.chunks, kv.chunk_blocks(step))
-            return self.o_proj(pad_rows(o, x.shape[0]))
+            return in_calls(self.o_proj, pad_rows(o, x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
         else:
@@ -201,7 +203,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, calls: bool = False):
+        """calls: an invariant pass's products, in the probe's calls (model/chunked.py `in_calls`)."""
+        if calls:
+            return in_calls(self.down_proj, F.silu(in_calls(self.gate_proj, x)) * in_calls(self.up_proj, x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -221,7 +226,7 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn.forward_shared(h, cos, sin, shared)
         else:
             x = x + self.self_attn.forward_full(h, cos, sin, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), calls=step is not None and step.row_tile > 0)
 
 
 class Backbone(nn.Module):
@@ -288,7 +293,7 @@ class CausalLM(nn.Module):
         x = x[logits_idx] if logits_idx is not None else x[:T]
         if not tile:
             return self.lm_head(x), hidden
-        return self.lm_head(pad_rows(x, tile))[: x.shape[0]], {i: h[:T] for i, h in hidden.items()}
+        return in_calls(self.lm_head, pad_rows(x, tile))[: x.shape[0]], {i: h[:T] for i, h in hidden.items()}
 
     def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:
         """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/packing.py builds it).
