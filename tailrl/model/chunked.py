@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 CHUNK = 256  # keys per kernel item (<= the CPU flash kernel's 512-key block: one block per item)
 QUERY_BLOCK = 4  # query tokens per block (the unit of a row's attention work)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .chunked import chunked_attention, in_calls, pad_rows
+from .chunked import chunked_attention, in_calls, pad_rows, tiled_linear
 from .config import ModelConfig
 from .step import StepMeta
 
@@ -293,7 +293,7 @@ class CausalLM(nn.Module):
         x = x[logits_idx] if logits_idx is not None else x[:T]
         if not tile:
             return self.lm_head(x), hidden
-        return in_calls(self.lm_head, pad_rows(x, tile))[: x.shape[0]], {i: h[:T] for i, h in hidden.items()}
+        return tiled_linear(self.lm_head, x, tile), {i: h[:T] for i, h in hidden.items()}
 
     def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:
         """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/packing.py builds it).
