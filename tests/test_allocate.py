@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from tailrl.spec.allocate import AcceptanceModel, StepCost, allocate
+from tailrl.spec.allocate import FILL_MIN_SURVIVAL, AcceptanceModel, StepCost, allocate, fill_tile
 from tailrl.spec.tree import DraftTree
 
 
@@ -55,6 +55,34 @@ def test_where_rows_are_free_every_node_is_verified():
     trees = [chain([1, 2, 3], [1.0, 1.0, 0.2], [16, 16, 2]), chain([4, 5], [0.2, 1.0], [2, 16])]
     out = allocate(trees, m, 2, (0.5, 0.001, 0.0))
     assert [t.tokens for t in out] == [[1, 2, 3], [4, 5]]
+
+
+def test_free_rows_of_the_last_tile_verify_the_likeliest_next_nodes_within_each_query_block():
+    m = trained_model()
+    # 3 sequences verify 1, 1 and 0 drafts: 2 + 2 + 1 = 5 rows of a 8-row tile, 3 free. Query blocks of 4 rows: the
+    # first two may add 2 nodes each (rows 3-4 of their block), the third 3 (it has only its root row)
+    wide = [chain([1, 2, 3, 4], [1.0, 1.0, 1.0, 1.0], [16] * 4), chain([5, 6, 7], [1.0, 0.2, 1.0], [16, 2, 16]),
+            chain([8, 9, 10], [0.2, 1.0, 1.0], [2, 16, 16])]
+    trees = [wide[0].subset([0]), wide[1].subset([0]), None]
+    out, added = fill_tile(trees, wide, m, tile=8, block=4)
+    # survivals of the candidates: seq 0's nodes 1, 2: 0.81, 0.73; seq 1's nodes 1, 2: 0.09, 0.08; seq 2's: 0.1, 0.09
+    assert added == 3 and sum(1 + len(t) for t in out if t) + sum(t is None for t in out) == 8
+    assert out[0].tokens == [1, 2, 3]  # its block ends at node 2: node 3 (a new block) is never added
+    assert out[1].tokens == [5] and out[2].tokens == [8]  # 0.1 beats 0.09 for the last free row
+    for t in out:
+        t.validate(16)
+        assert t.parents == list(range(-1, len(t) - 1))
+    # a full tile: nothing added; a chain that is no prefix of its wide draft is left alone
+    full, n = fill_tile([wide[0].subset([0, 1, 2]), wide[1].subset([0, 1]), None], wide, m, tile=8, block=4)
+    assert n == 0 and full[2] is None and len(full[1]) == 2
+    other, n = fill_tile([chain([9], [1.0], [16]), None, None], wide, m, tile=8, block=4)
+    assert n == 4 and other[0].tokens == [9] and other[1].tokens == [5, 6] and other[2].tokens == [8, 9]
+    # nodes under FILL_MIN_SURVIVAL stay out even with rows to spare
+    poor = AcceptanceModel()
+    for _ in range(200):
+        poor.observe(chain([1], [1.0], [16]), [])
+    assert poor.survival(wide[0])[0] < FILL_MIN_SURVIVAL
+    assert fill_tile([None], [wide[0]], poor, tile=16, block=4) == ([None], 0)
 
 
 def test_before_anything_is_measured_only_the_first_nodes_are_verified():

@@ -192,7 +192,47 @@ def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(tiny, invariant
     assert all(len(c.token_ids) == 60 for c in out)
     if invariant:
         assert QUERY_BLOCK == 4 and sp.selector.budgets == (1, 2, 3, 7, 15)
-        assert set(asked) <= {0, 1, 2, 3, 7, 11, 15} and {1, 2, 3, 7, 15} <= set(asked)
+        # drafts are asked for to the end of their last query block (the free rows of a tile may verify them:
+        # test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token); 1 and 2 where max_tokens is near
+        assert set(asked) <= {0, 1, 2, 3, 7, 11, 15} and {3, 7, 15} <= set(asked)
     else:
         assert sp.selector.budgets == (1, 2, 4, 8, 16)
         assert {1, 2, 4, 8, 16} <= set(asked)
+
+
+def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(tiny):
+    """6 sequences drafting one token each verify 12 rows in a pass whose products run on 16 (ROW_TILE): the 4 free
+    rows verify the next nodes of the likeliest drafts, never past a sequence's query block or into another tile.
+    The tokens are those of plain decoding."""
+    from tailrl.model.chunked import QUERY_BLOCK, ROW_TILE
+
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [8, 9, 8, 9, 8, 9]]
+    params = SamplingParams(n=3, max_tokens=60, temperature=0, ignore_eos=True)
+    spec = SpecConfig(mode="ngram", budgets=(1,))
+    sp = Speculator(spec)
+    eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec, batch_invariant=True), sp)
+    passes = []
+    decode = eng.runner.decode
+
+    def spy(roots, cache_lens, trees):
+        passes.append((list(sp._planned), [len(t) if t else 0 for t in trees or []]))
+        return decode(roots, cache_lens, trees)
+
+    eng.runner.decode = spy
+    out = eng.generate(prompts, params)
+    off = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=SpecConfig(mode="off"), batch_invariant=True))
+    assert [c.token_ids for c in out] == [c.token_ids for c in off.generate(prompts, params)]
+    verified = [(p, v) for p, v in passes if v]
+    assert verified and any(sum(v) > sum(p) for p, v in verified)  # steps verified more than the arm's budget
+    for planned, nodes in verified:
+        assert all(p <= n <= max(p, -(-(1 + p) // QUERY_BLOCK) * QUERY_BLOCK - 1) for p, n in zip(planned, nodes))
+        tiles = lambda ns: -(-sum(1 + n for n in ns) // ROW_TILE)  # noqa: E731
+        assert tiles(nodes) == tiles(planned)
+    fed = SpecConfig(mode="ngram", budgets=(1,), fill_tiles=False)
+    sp2 = Speculator(fed)
+    eng2 = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=fed, batch_invariant=True), sp2)
+    passes.clear()
+    decode2 = eng2.runner.decode
+    eng2.runner.decode = lambda r, c, t: (passes.append(([], [len(x) for x in t or [] if x])), decode2(r, c, t))[1]
+    eng2.generate(prompts, params)
+    assert passes and all(n <= 1 for _, ns in passes for n in ns)  # fill_tiles=false: the arm's budget only

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.chunked import CHUNK, QUERY_BLOCK
+from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
 from ..model.llama import CausalLM
 from ..spec.backoff import token_classes
 from ..spec.speculator import Speculator
@@ -58,7 +58,7 @@ class Engine:
             classes, digits = token_classes(tokenizer)
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=QUERY_BLOCK if self.runner.invariant else 0, key_chunk=CHUNK,
-                                  classes=classes, digits=digits)
+                                  classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])

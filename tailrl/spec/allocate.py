@@ -150,3 +150,40 @@ def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
         nodes = sorted(kept)
         out.append(tree if len(nodes) == len(tree) else tree.subset(nodes) if nodes else None)
     return out
+
+
+FILL_MIN_SURVIVAL = 0.05  # a free row still samples the vocabulary (~0.1 ms on a CPU): a node must have these odds
+
+
+def fill_tile(trees: list[DraftTree | None], wide: list[DraftTree | None], model: AcceptanceModel, tile: int,
+              block: int) -> tuple[list[DraftTree | None], int]:
+    """The rows a batch-invariant pass leaves free, given to the likeliest next draft nodes. Its matrix products run
+    on whole tiles of `tile` rows (model/chunked.py ROW_TILE), so a step of 6 sequences verifying one draft each
+    (12 rows) pays for 16; its attention reads a sequence's keys once per query block of `block` rows, so a node
+    that stays in its sequence's last block costs no attention either. trees: the chains the step verifies (cut to
+    the arm's budget, and by `allocate`); wide: the same drafter's chains drafted to the end of each sequence's last
+    query block (trees[b] a prefix of wide[b]). Returns the trees with the free rows' nodes appended, best
+    survival first, and how many nodes were added. Lossless as `allocate` is: a deterministic draft is any function
+    of the context, and the verifier emits the target's own draws whatever it verifies."""
+    free = -sum(1 + (len(t) if t is not None else 0) for t in trees) % tile
+    if not free:
+        return trees, 0
+    slots: list[tuple[float, int, int]] = []  # (-survival, node, sequence)
+    for b, (tree, w) in enumerate(zip(trees, wide)):
+        n = len(tree) if tree is not None else 0
+        if w is None or w.q or len(w) <= n or w.parents != list(range(-1, len(w) - 1)):
+            continue  # chains only (a branch would leave the first-child path the invariant verifier keeps)
+        if tree is not None and tree.tokens != w.tokens[:n]:
+            continue
+        end = -(-(1 + n) // block) * block - 1  # the last node of the sequence's last query block
+        surv = model.survival(w)
+        slots += [(-surv[i], i, b) for i in range(n, min(len(w), end)) if surv[i] >= FILL_MIN_SURVIVAL]
+    slots.sort()  # a node's survival is at most its parent's, and ties go to the shallower: parents come first
+    extra: dict[int, int] = {}
+    for _, _, b in slots[:free]:
+        extra[b] = extra.get(b, 0) + 1
+    out = list(trees)
+    for b, k in extra.items():
+        n = len(trees[b]) if trees[b] is not None else 0
+        out[b] = wide[b].subset(list(range(n + k)))
+    return out, sum(extra.values())

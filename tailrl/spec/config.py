@@ -18,6 +18,10 @@ class SpecConfig:
     # verify only the drafted nodes whose calibrated odds pay for their rows (spec/allocate.py); off by default: on
     # this CPU it won where the policy repeats itself and lost where it does not (benchmarks/RESULTS.md)
     allocate: bool = False
+    # a batch-invariant verifier runs its products on whole tiles of rows (model/chunked.py ROW_TILE): the rows a step
+    # leaves free in its last tile verify the likeliest next draft nodes, at no cost but their sampling
+    # (spec/allocate.py fill_tile)
+    fill_tiles: bool = True
     # DAS: requests predicted to run longest get deeper trees; share = out of the rows the batch verifies anyway
     # (or for at most a quarter of it, or one request), extend = every long request gets twice the arm's budget
     # (spec/budgets.py)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from .allocate import AcceptanceModel, allocate
+from .allocate import AcceptanceModel, allocate, fill_tile
 from .budgets import LengthTracker, block_budget, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
@@ -47,10 +47,13 @@ class Speculator:
         self.watchdog = Watchdog()
         self.odds = AcceptanceModel()
         self.row_block = 0
+        self.row_tile = 0
         self._contexts: list[int] = []
+        self._planned: list[int] = []  # per sequence, the draft nodes of its arm (before fill_tile's)
+        self._filled = 0  # nodes fill_tile added this step
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
-               classes: dict[int, int] | None = None, digits: dict[int, int] | None = None) -> None:
+               classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
         chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
         row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
@@ -58,9 +61,12 @@ class Speculator:
         key_chunk: the keys it reads at a time (CHUNK in invariant passes): the selector prices a step's attention
         in such chunks (step_cost.attention_units).
         classes, digits: token classes and single-digit tokens of the tokenizer (spec/backoff.py number_classes,
-        digit_values) for drafters that model text."""
+        digit_values) for drafters that model text.
+        row_tile: the verifier runs its matrix products on whole tiles of this many rows (ROW_TILE in invariant
+        passes; 0: none): the rows a step leaves free in its last tile verify more draft nodes (allocate.fill_tile)."""
         self.vocab_size = kv.cfg.vocab_size
         self.row_block = row_block
+        self.row_tile = row_tile
         budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
         if budgets != self.selector.budgets:  # before any step: nothing measured is lost
             self.selector = Selector(self.cfg, list(self.drafters), budgets=budgets)
@@ -123,20 +129,31 @@ class Speculator:
         depths = [max(min(max(s.spec_depth, floor), r), 0) for s, r in zip(running, rooms)]
         if self.row_block > 1:  # chains (an invariant verifier): nodes = depth, cut to whole query blocks
             budgets = depths = [block_budget(min(b, d), self.row_block) for b, d in zip(budgets, depths)]
-        trees = self._propose(self.drafters[arm.drafter], running, budgets, depths)
+        fill = self.cfg.fill_tiles and self.row_tile > 1 and self.row_block > 1
+        # to fill free rows (fill_tile), chains drafted on to the end of their last query block
+        wide = [min(-(-(1 + b) // self.row_block) * self.row_block - 1, r) if b > 0 else 0
+                for b, r in zip(budgets, rooms)] if fill else budgets
+        trees = self._propose(self.drafters[arm.drafter], running, wide, wide if fill else depths)
         V = self.vocab_size
         for i, tree in enumerate(trees):
             if tree is not None:
                 try:
-                    if len(tree) > budgets[i]:
-                        raise ValueError(f"{len(tree)} nodes over the budget of {budgets[i]}")
+                    if len(tree) > wide[i]:
+                        raise ValueError(f"{len(tree)} nodes over the budget of {wide[i]}")
                     tree.validate(V)
                 except Exception as e:
                     log.warning("drafter %s gave request %d a bad tree: %s", arm.drafter, running[i].prompt_index, e)
                     trees[i] = None
         trees = [t.preorder() if t else None for t in trees]
+        if fill:  # the arm's own drafts: a prefix of each (preorder: every node's parent comes before it)
+            wide, trees = trees, [t if t is None or len(t) <= b else t.subset(list(range(b))) if b else None
+                                  for t, b in zip(trees, budgets)]
         if self.cfg.allocate:
             trees = allocate(trees, self.odds, B, self.selector.step_cost.coefficients(B))
+        self._planned = [len(t) if t else 0 for t in trees]
+        self._filled = 0
+        if fill:
+            trees, self._filled = fill_tile(trees, wide, self.odds, self.row_tile, self.row_block)
         self._trees = trees
         return arm, self._trees
 
@@ -172,15 +189,24 @@ class Speculator:
         plain = sel.plain_step_s(B, chunks)
         record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
-        sel.record(arm, B, record.tokens_in_pass, record.forward_s, record.total_s, record.emitted, record.drafted,
-                   record.draft_s, units, chunks)
-        if record.drafted:
-            self._watch(arm.drafter, "verified", record.accepted, record.drafted, running)
-        for s, tree, v in zip(running, trees, verdicts):
+        # the arm's own rows and drafts: the rows fill_tile added cost nothing the cost fits should learn (they
+        # were free in the pass's last tile), and the selector prices an arm's drafted rows (its accepted tokens
+        # count what the filled rows added: that is what the arm delivers)
+        sel.record(arm, B, record.tokens_in_pass - self._filled, record.forward_s, record.total_s, record.emitted,
+                   record.drafted - self._filled, record.draft_s, units, chunks)
+        planned = self._planned if len(self._planned) == B else [len(t) if t else 0 for t in trees]
+        if record.drafted - self._filled:  # the arm's own nodes: the filled ones are the less likely by design
+            own = record.accepted if not self._filled else sum(min(len(v.accepted_nodes), n)
+                                                               for v, n in zip(verdicts, planned))
+            self._watch(arm.drafter, "verified", own, record.drafted - self._filled, running)
+        for s, tree, v, n in zip(running, trees, verdicts, planned):
             if tree is not None:
-                if cfg.allocate:
+                if cfg.allocate or (cfg.fill_tiles and self.row_tile > 1):
                     self.odds.observe(tree, v.accepted_nodes)
-                full = bool(v.accepted_nodes) and not tree.children(v.accepted_nodes[-1])
+                # accepted to a leaf; of a filled chain, through the arm's own nodes (a filled node's rejection says
+                # nothing of the depth the arm should draft)
+                full = bool(v.accepted_nodes) and (len(v.accepted_nodes) >= n if len(tree) > n
+                                                   else not tree.children(v.accepted_nodes[-1]))
                 s.spec_depth = min(2 * s.spec_depth, cfg.max_depth) if full else max(s.spec_depth // 2, cfg.min_depth)
                 used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
                 s.drafted += len(tree)
