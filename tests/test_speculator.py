@@ -164,6 +164,9 @@ def test_block_budget_fills_whole_query_blocks():
 
     assert [block_budget(n, 4) for n in range(1, 18)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15]
     assert [block_budget(n, 1) for n in (1, 4, 16)] == [1, 4, 16]
+    from tailrl.spec.budgets import block_end
+
+    assert [block_end(n, 4) for n in (0, 1, 2, 3, 4, 7, 8)] == [3, 3, 3, 3, 7, 7, 11]
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])

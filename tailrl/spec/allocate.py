@@ -16,6 +16,7 @@ how many children a node keeps does not depend on which children were drawn."""
 
 from __future__ import annotations
 
+from .budgets import block_end
 from .step_cost import ROW_PRIOR, StepCost  # noqa: F401 (StepCost: the allocator's cost, imported from here too)
 from .tree import DraftTree
 
@@ -175,7 +176,7 @@ def fill_tile(trees: list[DraftTree | None], wide: list[DraftTree | None], model
             continue  # chains only (a branch would leave the first-child path the invariant verifier keeps)
         if tree is not None and tree.tokens != w.tokens[:n]:
             continue
-        end = -(-(1 + n) // block) * block - 1  # the last node of the sequence's last query block
+        end = block_end(n, block)  # the sequence's nodes up to the end of its last query block
         surv = model.survival(w)
         slots += [(-surv[i], i, b) for i in range(n, min(len(w), end)) if surv[i] >= FILL_MIN_SURVIVAL]
     slots.sort()  # a node's survival is at most its parent's, and ties go to the shallower: parents come first

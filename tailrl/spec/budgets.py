@@ -83,3 +83,9 @@ def block_budget(n: int, block: int) -> int:
         return n
     return (n + 1) // block * block - 1
 
+
+
+def block_end(n: int, block: int) -> int:
+    """The most draft nodes a chain of n can grow to without a new query block: its 1 + n rows, rounded up to whole
+    blocks of `block` rows, less the root's row (n = 1 -> 3 at blocks of 4; n = 3 -> 3; n = 4 -> 7)."""
+    return -(-(1 + n) // block) * block - 1

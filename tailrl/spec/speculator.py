@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from .allocate import AcceptanceModel, allocate, fill_tile
-from .budgets import LengthTracker, block_budget, das_budgets
+from .budgets import LengthTracker, block_budget, block_end, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
 from .selector import OFF, Arm, Selector
@@ -131,7 +131,7 @@ class Speculator:
             budgets = depths = [block_budget(min(b, d), self.row_block) for b, d in zip(budgets, depths)]
         fill = self.cfg.fill_tiles and self.row_tile > 1 and self.row_block > 1
         # to fill free rows (fill_tile), chains drafted on to the end of their last query block
-        wide = [min(-(-(1 + b) // self.row_block) * self.row_block - 1, r) if b > 0 else 0
+        wide = [min(block_end(b, self.row_block), r) if b > 0 else 0
                 for b, r in zip(budgets, rooms)] if fill else budgets
         trees = self._propose(self.drafters[arm.drafter], running, wide, wide if fill else depths)
         V = self.vocab_size
