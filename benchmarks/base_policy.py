@@ -15,7 +15,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.rl.data import chat_prompt
-from tailrl.rl.rewards import BUILTIN
+from tailrl.rl.rewards.builtin import BUILTIN
 from tailrl.rl.tasks import make_rows
 
 

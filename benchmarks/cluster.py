@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--siblings", action="store_true", help="only the sibling-drafting table (spec history)")
     ap.add_argument("--groups", type=int, default=8, help="--siblings: how many of the prompts")
     args = ap.parse_args()
-    from tailrl.spec.config import SpecConfig
+    from tailrl.speculative.config import SpecConfig
 
     torch.set_num_threads(2)
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)

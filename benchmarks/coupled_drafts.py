@@ -6,7 +6,7 @@ with the sequence's own n-gram drafter, one verify step at a time. The recorded 
 (the noise is keyed by seed and position), so a draft is accepted exactly as far as it matches them, and a step
 emits the match plus one token. No model runs here. The drafters compared:
 - `most frequent`: the continuation of the longest match (the n-gram drafter before session 18; greedy requests);
-- `coupled, exact`: spec/backoff.py's chains drawn with the verifier's noise, exact contexts only;
+- `coupled, exact`: speculative/backoff.py's chains drawn with the verifier's noise, exact contexts only;
 - `coupled, classes`: the same with number classes, and the template level's repeating columns (they need no
   digits);
 - `+ counting columns`: the same with the digit tokens, so that the template level also counts (what sampled
@@ -27,9 +27,9 @@ from types import SimpleNamespace
 
 from tailrl.config import load_config
 from tailrl.engine.sequence import Sequence
-from tailrl.spec.backoff import digit_values, number_classes
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import NgramDrafter
+from tailrl.speculative.backoff import digit_values, number_classes
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.drafters import NgramDrafter
 
 
 def record_rollout(preset: str, seed: int, run: Path | None) -> tuple[list[tuple[int, list[int], list[int]]], object]:

@@ -32,7 +32,7 @@ from tailrl.model import load_model  # noqa: E402
 from tailrl.rl.data import chat_prompt  # noqa: E402
 from tailrl.rl.tasks import make_rows  # noqa: E402
 from tailrl.rl.trainer import Trainer  # noqa: E402
-from tailrl.spec.config import SpecConfig  # noqa: E402
+from tailrl.speculative.config import SpecConfig  # noqa: E402
 
 CONFIGS = {  # name -> overrides
     "off": ["rollout.spec.mode=off"],

@@ -75,7 +75,7 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str], p
     from tailrl.config import load_config
     from tailrl.model import load_model, save_pretrained
     from tailrl.rl.data import chat_prompt, load_datasets
-    from tailrl.rl.rewards import BUILTIN, reward_weights
+    from tailrl.rl.rewards.builtin import BUILTIN, reward_weights
 
     cfg = load_config(None, extra, preset)
     model, tok = load_model(cfg.model.path, device="cpu", dtype=torch.float32)
@@ -111,7 +111,7 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str], p
 
 
 def print_tail(steps: dict, seeds: list[int]) -> None:
-    """The long tail (at most a quarter of the sequences running, rl/tail.py) in each arm's training rollouts: its
+    """The long tail (at most a quarter of the sequences running, rl/rollout/tail.py) in each arm's training rollouts: its
     share of rollout time, and SD's gain there and in the body, measured (SD-off seconds over SD-auto seconds of the
     same part; the same tokens where the invariance probe holds) and as the auto arm's own SD-off estimate."""
     rows = {m: [r for s in seeds for r in steps[(m, s)]] for m in ("auto", "off")}

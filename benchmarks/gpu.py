@@ -24,7 +24,7 @@ from models import DTYPES, default_dtype, describe, load_pair, sync
 from tailrl.engine.buckets import pick_bucket
 from tailrl.engine.runner import ModelRunner
 from tailrl.model import make_step
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.tree import DraftTree
 
 BATCHES = (1, 4, 32)
 TOKENS = (1, 2, 4, 8, 16, 32)

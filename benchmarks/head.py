@@ -1,5 +1,5 @@
 """The update's LM head: token log-probabilities and entropy for M response rows through SmolLM2's 49152 x 576 head,
-forward and backward, as the update runs it (rl/logprobs.py: chunks of rows, bf16 matmuls, fp32 log-softmax),
+forward and backward, as the update runs it (rl/actor/logprobs.py: chunks of rows, bf16 matmuls, fp32 log-softmax),
 against the full-logits reference (one [M, V] fp32 log-softmax, algos.token_logprobs). Two losses: the
 log-probabilities alone (the default: entropy is only logged) and with an entropy term. Interleaved repeats, best
 kept; random weights of the real shape (the cost does not depend on their values).
@@ -15,7 +15,7 @@ import time
 import torch
 
 from tailrl.rl.algos import token_logprobs
-from tailrl.rl.logprobs import head_logprobs
+from tailrl.rl.actor.logprobs import head_logprobs
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
         lp, ent = token_logprobs(logits.float()[None], y[None], T)
         return lp.sum() + (0.01 * ent.sum() if entropy else 0.0)
 
-    variants = {"full logits, fp32 log-softmax": reference, "chunked head (rl/logprobs.py)": chunked}
+    variants = {"full logits, fp32 log-softmax": reference, "chunked head (rl/actor/logprobs.py)": chunked}
     best: dict[tuple[str, bool], float] = {}
     for _ in range(args.repeats):
         for entropy in (False, True):

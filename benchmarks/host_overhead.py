@@ -23,7 +23,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import ModelConfig
 from tailrl.model.load import build_model
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 
 SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,

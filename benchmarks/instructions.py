@@ -17,7 +17,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.rl import tasks
 from tailrl.rl.data import chat_prompt
-from tailrl.rl.rewards import BUILTIN
+from tailrl.rl.rewards.builtin import BUILTIN
 
 EXAMPLE_SYSTEM = SYSTEM_PROMPT  # the default run's data.system_prompt
 VARIANTS = [  # (temperature, system prompt)

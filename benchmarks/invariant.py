@@ -22,7 +22,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.kv_cache import KVCache
 from tailrl.engine.probe import probe_invariance
 from tailrl.model import load_model, make_step
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 
 from spec_rollout import prompts  # noqa: E402  (benchmarks/ is the script's folder)
 

@@ -25,10 +25,10 @@ import argparse
 from pathlib import Path
 from types import SimpleNamespace
 
-from tailrl.rl.state_io import is_pickled, read_state
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import NgramDrafter
-from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
+from tailrl.rl.checkpoint.state_io import is_pickled, read_state
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.drafters import NgramDrafter
+from tailrl.speculative.suffix import TokenIndex, TreeShape, build_tree
 
 MAX_MATCH, MIN_MATCH, PROMPT_TAIL = 32, 2, 4
 

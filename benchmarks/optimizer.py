@@ -20,9 +20,9 @@ import torch
 
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
-from tailrl.rl.forward import make_batch
-from tailrl.rl.precision import Precision, make_adamw
-from tailrl.rl.update import policy_update
+from tailrl.rl.actor.forward import make_batch
+from tailrl.rl.actor.precision import Precision, make_adamw
+from tailrl.rl.actor.update import policy_update
 
 
 def default_like_batch(seed: int = 0):

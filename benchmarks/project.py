@@ -42,7 +42,7 @@ from bisect import bisect_left
 from spec_rollout import QUESTIONS  # RL-like prompts: short answers, and a few that run long
 
 from tailrl.engine.buckets import BATCH_SIZES, TOKENS_PER_SEQ
-from tailrl.spec.step_cost import batch_bucket
+from tailrl.speculative.step_cost import batch_bucket
 
 # the measured points, (batch, k) -> ms of one pass
 SMOLLM2_POINTS = {(1, 1): 3.15, (1, 2): 3.15 * 1.11, (1, 4): 3.15 * 1.12, (1, 8): 3.15 * 1.14, (1, 16): 3.15 * 1.16,
@@ -85,7 +85,7 @@ def collect(args) -> list[dict]:
     """A short SD-auto rollout on this CPU: its decode steps and response lengths, as records."""
     from tailrl.engine import Engine, EngineConfig, SamplingParams
     from tailrl.model import load_model
-    from tailrl.spec.config import SpecConfig
+    from tailrl.speculative.config import SpecConfig
 
     model, tok = load_model("smollm2-135m", device="cpu")
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="auto")))

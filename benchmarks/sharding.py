@@ -4,7 +4,7 @@ trainer.world_size 1 and 2.
     .venv/bin/python benchmarks/sharding.py            # the memory table (meta device: no weights, no download)
     .venv/bin/python benchmarks/sharding.py --cpu      # and a tiny model trained at world_size 1 and 2, 1 thread a rank
 
-Memory per rank, FSDP2 as tailrl/rl/fsdp.py applies it (each parameter's dim 0 cut in N, padded):
+Memory per rank, FSDP2 as tailrl/rl/actor/fsdp.py applies it (each parameter's dim 0 cut in N, padded):
   params fp32 master 4 B, grads fp32 4 B, AdamW moments 2 x 4 B, all / N (exact per-tensor shard sizes);
   gathered bf16: the root (embeddings, norm, head) plus two decoder layers (one computing, one prefetched);
   activations (stated estimate, not measured): Korthikanti et al. 2022, 34 x tokens x hidden bytes per layer in

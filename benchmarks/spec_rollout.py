@@ -17,7 +17,7 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 
 # RL-like: mostly short verifiable answers, a few open-ended prompts that run long (the long tail)
 QUESTIONS = [

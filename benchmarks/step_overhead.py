@@ -18,10 +18,10 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import ModelFreeDrafter
-from tailrl.spec.speculator import Speculator
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.drafters import ModelFreeDrafter
+from tailrl.speculative.speculator import Speculator
+from tailrl.speculative.tree import DraftTree
 
 
 class ChainDrafter(ModelFreeDrafter):
@@ -62,7 +62,7 @@ def measure(model, tok, B: int, verify: bool, steps: int, profile: cProfile.Prof
     return 1000 * total / steps, 1000 * fwd / steps
 
 
-OUTSIDE = ("tailrl/engine/", "tailrl/spec/", "tailrl/model/step.py")
+OUTSIDE = ("tailrl/engine/", "tailrl/speculative/", "tailrl/model/step.py")
 INSIDE = ("_forward", "step", "decode_pass", "decode", "prefill_pass")  # functions that contain the forward
 
 

@@ -1,9 +1,9 @@
 """The policy update's throughput: the old path (one padded full-logits forward per micro-batch, [B, T, V] fp32
 log-softmax), the path `separate` (one row per sequence in length-grouped micro-batches, chunked LM head over
 response tokens only) and the path `new` (`separate`, but a prompt's samples share one copy of the prompt:
-rl/packing.py), and the path `tokens` (`new` with micro-batches by `--micro-tokens` packed tokens,
+rl/actor/packing.py), and the path `tokens` (`new` with micro-batches by `--micro-tokens` packed tokens,
 `algo.micro_batch_tokens`, instead of `--micro` sequences), on SmolLM2-135M with a GRPO-shaped batch, side by side in one run. Precisions: fp32; bf16 autocast over the
-fp32 weights; a bf16 compute copy with fp32 master weights and fp32 Adam (rl/precision.py; new path only).
+fp32 weights; a bf16 compute copy with fp32 master weights and fp32 Adam (rl/actor/precision.py; new path only).
 
 The batch: `--prompts` prompts of `--prompt-len` tokens x `--n` samples, responses of `--resp` tokens (uniform, fixed
 seed). The default run's batches: `--prompt-len 53-60 --resp 20-96` (a 53-token chat prompt, responses of 35-80
@@ -30,10 +30,10 @@ import torch
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.forward import autocast_ctx, make_batch, micro_batches
-from tailrl.rl.packing import packed_tokens
-from tailrl.rl.precision import Precision
-from tailrl.rl.update import policy_update
+from tailrl.rl.actor.forward import autocast_ctx, make_batch, micro_batches
+from tailrl.rl.actor.packing import packed_tokens
+from tailrl.rl.actor.precision import Precision
+from tailrl.rl.actor.update import policy_update
 
 
 def fake_completions(vocab: int, prompts: int, n: int, seed: int = 0, plen=(50, 70), rlen=(30, 200)):

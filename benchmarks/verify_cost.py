@@ -27,7 +27,7 @@ from tailrl.engine.runner import ModelRunner
 from tailrl.engine.sampler import decide
 from tailrl.engine.sampling import SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.tree import DraftTree
 
 
 def main():

@@ -24,11 +24,11 @@ def cmd_train(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .report import make_report
-    from .rl.checkpoint import CheckpointError
+    from .rl.checkpoint.store import CheckpointError
     from .rl.guards import RunStalledError
-    from .rl.reward_runner import RewardError
+    from .rl.rewards.runner import RewardError
     from .rl.run import train
-    from .rl.run_dir import RunDirError
+    from .rl.checkpoint.run_dir import RunDirError
     from .rl.stop import Interrupted
 
     try:

@@ -58,7 +58,7 @@ def check_writable(path: str) -> Path:
 def cmd_generate(args) -> int:
     from .engine import Engine, EngineConfig, SamplingParams
     from .model import load_model
-    from .spec.config import SpecConfig
+    from .speculative.config import SpecConfig
 
     try:
         sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,

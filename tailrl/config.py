@@ -19,7 +19,7 @@ from .cluster.config import ClusterConfig
 from .config_help import choice_problem, did_you_mean, or_list
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
-from .spec.config import SpecConfig
+from .speculative.config import SpecConfig
 
 
 @dataclass

@@ -20,7 +20,7 @@ import yaml
 
 from .cluster.config import PLACEMENTS
 from .loggers import LOGGERS
-from .spec.config import MODES
+from .speculative.config import MODES
 
 # other trainers' names for our keys (TRL's GRPOConfig, verl's ppo_trainer.yaml), matched by a key's last part
 ALIASES = {

@@ -7,7 +7,7 @@ import torch
 from tailrl.drafter.buffer import DraftBuffer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
-from tailrl.spec.noise import gumbel, row_keys
+from tailrl.speculative.noise import gumbel, row_keys
 
 CHATS = [
     [{"role": "user", "content": "List the first ten prime numbers."}],

@@ -19,7 +19,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.probe import probe_invariance
 from tailrl.model.config import ModelConfig
 from tailrl.model.llama import CausalLM
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 
 
 def smol_shaped(seed: int = 0) -> CausalLM:

@@ -4,8 +4,8 @@ import pytest
 
 import torch
 
-from tailrl.spec.allocate import FILL_MIN_SURVIVAL, AcceptanceModel, StepCost, allocate, fill_tile
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.allocate import FILL_MIN_SURVIVAL, AcceptanceModel, StepCost, allocate, fill_tile
+from tailrl.speculative.tree import DraftTree
 
 
 def chain(tokens, cond, support, drafter="history"):
@@ -180,7 +180,7 @@ def test_step_cost_prices_a_plain_step_at_the_context_it_runs_at():
     into a second query block reads every key chunk again). With the chunks read as a term, the plain step at 1,000
     tokens (the SD-off estimate) is priced within 10%; priced per sequence and row alone it came out 37% short, as
     the estimator of session 16 did (1.15x estimated against 1.32x measured in the tail)."""
-    from tailrl.spec.step_cost import attention_units
+    from tailrl.speculative.step_cost import attention_units
 
     assert attention_units([900, 100], [1, 1], 4, 256) == 4 + 1
     assert attention_units([900], [5], 4, 256) == 2 * 4 and attention_units([900], [5], 0, 256) == 4

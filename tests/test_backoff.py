@@ -1,11 +1,11 @@
-"""Coupled drafting (spec/backoff.py): chains drawn with the verifier's own noise from a backoff model of the text."""
+"""Coupled drafting (speculative/backoff.py): chains drawn with the verifier's own noise from a backoff model of the text."""
 
 import math
 
 import torch
 
-from tailrl.spec.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, digit_values, number_classes, token_classes
-from tailrl.spec.noise import draw
+from tailrl.speculative.backoff import NUMBER, SPACED_NUMBER, BackoffModel, coupled_chain, digit_values, number_classes, token_classes
+from tailrl.speculative.noise import draw
 
 V = 32
 A, E, X = 20, 21, 22  # a separator, an end-of-line and a line-start token; 1..9 play digits

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tailrl.cli import main
-from tailrl.rl.checkpoint import CheckpointError
+from tailrl.rl.checkpoint.store import CheckpointError
 from tailrl.rl.run import train
-from tailrl.rl.state_check import python_rng
-from tailrl.rl.state_io import PICKLED, STATE_JSON, STATE_TENSORS, read_state
+from tailrl.rl.checkpoint.state_check import python_rng
+from tailrl.rl.checkpoint.state_io import PICKLED, STATE_JSON, STATE_TENSORS, read_state
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 

@@ -11,7 +11,7 @@ from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
 from tests.helpers import assert_same_or_tie
 

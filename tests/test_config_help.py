@@ -80,7 +80,7 @@ def test_config_show_reads_back_with_docs(tmp_path, capsys):
 
 
 def test_a_misspelled_builtin_reward_names_the_nearest():
-    from tailrl.rl.reward_runner import RewardRunner
+    from tailrl.rl.rewards.runner import RewardRunner
 
     with pytest.raises(ValueError, match=r"'mth': choose one of math, .*verl \(did you mean math\?\)"):
         RewardRunner(["mth"])

@@ -11,7 +11,7 @@ from tailrl.drafter.offline import collect, split, train_epochs
 from tailrl.drafter.propose import LearnedDrafter
 from tailrl.drafter.train import DrafterTrainer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 from tests.stats import chisquare_pvalue
 from tests.helpers import CHATS, assert_same_or_tie, exact_joint, tiny_draft_buffer
 

@@ -12,7 +12,7 @@ from tailrl.drafter.buffer import DraftBuffer
 from tailrl.drafter.propose import LearnedDrafter
 from tailrl.drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 from tests.helpers import tiny_draft_buffer
 
 

@@ -9,9 +9,9 @@ from scipy.stats import chisquare
 from tailrl.engine import Engine, EngineConfig, GenerateStats, SamplingParams
 from tailrl.model import load_model
 from tailrl.model.step import make_step
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.noise import gumbel, row_keys, uniform, uniforms
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.noise import gumbel, row_keys, uniform, uniforms
+from tailrl.speculative.tree import DraftTree
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
 

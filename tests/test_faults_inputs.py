@@ -67,7 +67,7 @@ def test_model_config_that_is_not_json_is_named(tmp_path):
 
 
 def test_reward_module_with_a_syntax_error_is_named(tmp_path, monkeypatch):
-    from tailrl.rl.reward_runner import RewardRunner
+    from tailrl.rl.rewards.runner import RewardRunner
 
     (tmp_path / "broken_rewards.py").write_text("def f(prompts, completions, **kw)\n    return [0.0]\n")
     monkeypatch.chdir(tmp_path)

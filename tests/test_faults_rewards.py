@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tailrl.config import load_config
-from tailrl.rl.reward_runner import RewardError, RewardRunner
+from tailrl.rl.rewards.runner import RewardError, RewardRunner
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -113,7 +113,7 @@ def test_a_stuck_reward_worker_dies_with_the_run(tmp_path):
     spin = tmp_path / "spin_pid"
     script = textwrap.dedent("""
         import threading, time
-        from tailrl.rl.reward_runner import RewardRunner
+        from tailrl.rl.rewards.runner import RewardRunner
         if __name__ == "__main__":
             runner = RewardRunner(["tests.test_faults_rewards:spins"], timeout_s=600)
             threading.Thread(target=lambda: runner(["p"], ["c"], {"answer": ["1"]}), daemon=True).start()

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from tailrl.rl.checkpoint import CheckpointError
+from tailrl.rl.checkpoint.store import CheckpointError
 from tailrl.rl.run import train
-from tailrl.rl.run_dir import RunDirError
-from tailrl.rl.state_io import read_state
+from tailrl.rl.checkpoint.run_dir import RunDirError
+from tailrl.rl.checkpoint.state_io import read_state
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 
@@ -74,7 +74,7 @@ def test_checkpoints_survive_a_full_disk_and_never_hold_nan(tiny_chat, task_file
     try:
         root = tmp_path / "checkpoints"
         t.save()
-        import tailrl.rl.state_io as state_io
+        import tailrl.rl.checkpoint.state_io as state_io
 
         def full_disk(*a, **k):
             raise error
@@ -128,7 +128,7 @@ def test_sigterm_stops_cleanly_and_prints_the_resume_command(tiny_chat, task_fil
 def test_a_disk_too_small_for_the_checkpoints_is_warned_about(tmp_path, monkeypatch):
     from collections import namedtuple
 
-    import tailrl.rl.checkpoint as ck
+    import tailrl.rl.checkpoint.store as ck
 
     model = torch.nn.Linear(1000, 1000)  # 1.0M parameters: 12 MB per checkpoint with AdamW's moments
     Usage = namedtuple("Usage", "total used free")

@@ -15,7 +15,7 @@ BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")
 
 
 def test_non_finite_loss_skips_the_update_and_stops_the_run(tiny_chat, task_file, tmp_path, monkeypatch):
-    import tailrl.rl.update as update
+    import tailrl.rl.actor.update as update
     from safetensors.torch import load_file
 
     from tailrl.model import load_model

@@ -12,9 +12,9 @@ from tailrl.engine import SamplingParams
 from tailrl.engine.graph_sampler import (SamplingBuffers, graph_accept, graph_decide, graph_keys, graph_sample,
                                          graph_warp, verdicts)
 from tailrl.engine.sampler import decide, sample_tensor, warp_tensors, warped_logprobs
-from tailrl.spec.noise import row_keys
-from tailrl.spec.tree import DraftTree
-from tailrl.spec.verify import walk
+from tailrl.speculative.noise import row_keys
+from tailrl.speculative.tree import DraftTree
+from tailrl.speculative.verify import walk
 
 
 def random_params(rng: random.Random, n: int, top_k: bool = True, top_p: bool = True) -> list[SamplingParams]:

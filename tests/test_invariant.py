@@ -16,10 +16,10 @@ from tailrl.engine.invariant import contiguous_prefix
 from tailrl.engine.probe import resolve_invariant
 from tailrl.model import load_model, make_step
 from tailrl.model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.selector import OFF
-from tailrl.spec.tree import DraftTree
-from tailrl.spec.verify import Verdict
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.selector import OFF
+from tailrl.speculative.tree import DraftTree
+from tailrl.speculative.verify import Verdict
 from tests.helpers import CHATS, first_difference
 
 MATH = [[{"role": "user", "content": f"What is {a} times {b}? Think step by step, then answer after ####."}]
@@ -320,7 +320,7 @@ def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path
 
 
 def _drafted_trees(model, tok, invariant: bool, monkeypatch) -> list[DraftTree]:
-    from tailrl.spec.speculator import Speculator
+    from tailrl.speculative.speculator import Speculator
 
     seen, plan = [], Speculator.plan
 

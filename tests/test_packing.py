@@ -1,4 +1,4 @@
-"""A prompt's samples share one copy of the prompt in the update's forward (rl/packing.py): each member's token
+"""A prompt's samples share one copy of the prompt in the update's forward (rl/actor/packing.py): each member's token
 logprobs, entropies and the gradient of a PPO loss equal those of one padded full-logits forward over separate
 sequences, while the forward computes fewer tokens; mini-batches keep a group's samples together."""
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import torch
 
 from tailrl.config import AlgoCfg
-from tailrl.rl.forward import make_batch, micro_batches, sequence_logprobs
-from tailrl.rl.packing import layout, packed_tokens
-from tailrl.rl.update import update_plan
+from tailrl.rl.actor.forward import make_batch, micro_batches, sequence_logprobs
+from tailrl.rl.actor.packing import layout, packed_tokens
+from tailrl.rl.actor.update import update_plan
 from tests.test_update import VALUE_TOL, assert_micro_batches_match_padded, padded_reference, tiny  # noqa: F401
 
 

@@ -8,7 +8,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK, BlockTables, blocks_for
 from tailrl.model import load_model
-from tailrl.spec.config import SpecConfig
+from tailrl.speculative.config import SpecConfig
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 

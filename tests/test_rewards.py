@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from tailrl.rl.reward_runner import RewardRunner
-from tailrl.rl.rewards import (accuracy_name, answers_match, countdown_reward, extract_answer, format_reward,
+from tailrl.rl.rewards.runner import RewardRunner
+from tailrl.rl.rewards.builtin import (accuracy_name, answers_match, countdown_reward, extract_answer, format_reward,
                                math_partial_reward, math_reward, math_strict_reward)
 from tailrl.rl.tasks import make_rows
 

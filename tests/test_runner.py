@@ -11,8 +11,8 @@ from tailrl.engine.buckets import MIN_KEYS, StaticBatch, pick_bucket
 from tailrl.engine.runner import ModelRunner
 from tailrl.model import load_model
 from tailrl.model.step import make_padded_step, make_step
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.tree import DraftTree
 
 from .helpers import assert_same_or_tie
 

@@ -52,7 +52,7 @@ def test_gumbel_sampling_follows_the_distribution():
 def test_noise_depends_on_seed_and_position_only():
     """A sampled row draws argmax(logp + noise) with the noise a function of its (seed, position) alone: rows 0 and 3
     share (7, 0) and have other logits, so each is its own logits plus that same noise, in the batch or alone."""
-    from tailrl.spec.noise import gumbel, row_keys
+    from tailrl.speculative.noise import gumbel, row_keys
 
     lp = torch.log_softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(0)), -1)
 
@@ -80,7 +80,7 @@ def test_greedy_takes_argmax():
 def test_pruned_gumbel_argmax_draws_the_full_computations_tokens(temperature):
     """gumbel_argmax computes noise only for tokens that can win: its draws must equal argmax(logp + noise of the
     whole vocabulary) bit for bit, on peaked and flat rows, with -inf (top-k) entries and exact ties."""
-    from tailrl.spec.noise import _full_argmax, gumbel, gumbel_argmax, row_keys
+    from tailrl.speculative.noise import _full_argmax, gumbel, gumbel_argmax, row_keys
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(300, 5000, generator=g) * 4  # flat at T=3 (full path), peaked at T=0.3 (a few candidates)

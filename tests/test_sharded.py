@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tailrl.rl import actor_group
-from tailrl.rl.actor_group import RankFailed
+from tailrl.rl.actor import group as actor_group
+from tailrl.rl.actor.group import RankFailed
 from tailrl.rl.run import train
 from tests.conftest import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg, write_task

@@ -5,11 +5,11 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import FallbackDrafter, HistoryDrafter, NgramDrafter, model_free_drafters
-from tailrl.spec.selector import OFF, Arm, Selector
-from tailrl.spec.suffix import TokenIndex, TreeShape, build_tree
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.drafters import FallbackDrafter, HistoryDrafter, NgramDrafter, model_free_drafters
+from tailrl.speculative.selector import OFF, Arm, Selector
+from tailrl.speculative.suffix import TokenIndex, TreeShape, build_tree
+from tailrl.speculative.tree import DraftTree
 from tests.helpers import CHATS, assert_same_or_tie, exact_joint
 from tests.stats import chisquare_pvalue
 
@@ -31,7 +31,7 @@ def test_greedy_with_speculation_equals_without(smollm, mode):
 @pytest.mark.parametrize("mode", ["history", "ngram"])
 def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm, mode):
     """The noise for a token depends only on (seed, position), so deterministic drafts change nothing at all, even
-    drafts drawn with that very noise (ngram's coupled chains, spec/backoff.py); a difference is allowed only where
+    drafts drawn with that very noise (ngram's coupled chains, speculative/backoff.py); a difference is allowed only where
     two perturbed logits tie within float noise, and that is checked."""
     model, tok = smollm
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, n=2, seed=11)

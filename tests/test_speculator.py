@@ -6,11 +6,11 @@ import pytest
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.spec.budgets import LengthTracker, das_budgets
-from tailrl.spec.config import SpecConfig
-from tailrl.spec.drafters import ModelFreeDrafter
-from tailrl.spec.speculator import Speculator
-from tailrl.spec.tree import DraftTree
+from tailrl.speculative.budgets import LengthTracker, das_budgets
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.drafters import ModelFreeDrafter
+from tailrl.speculative.speculator import Speculator
+from tailrl.speculative.tree import DraftTree
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
 
@@ -112,7 +112,7 @@ def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
 
 
 def test_pass_cost_separates_rows_from_sequences_once_shapes_differ():
-    from tailrl.spec.selector import PassCost
+    from tailrl.speculative.selector import PassCost
 
     cost = PassCost()
     for B in (1, 4, 16, 64):  # plain passes only: rows == sequences, the two terms cannot be told apart
@@ -160,11 +160,11 @@ def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
 
 
 def test_block_budget_fills_whole_query_blocks():
-    from tailrl.spec.budgets import block_budget
+    from tailrl.speculative.budgets import block_budget
 
     assert [block_budget(n, 4) for n in range(1, 18)] == [1, 2, 3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15]
     assert [block_budget(n, 1) for n in (1, 4, 16)] == [1, 4, 16]
-    from tailrl.spec.budgets import block_end
+    from tailrl.speculative.budgets import block_end
 
     assert [block_end(n, 4) for n in (0, 1, 2, 3, 4, 7, 8)] == [3, 3, 3, 3, 7, 7, 11]
 

@@ -4,8 +4,8 @@ import pytest
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams, StepRecord
 from tailrl.rl.run import train
-from tailrl.rl.tail import running_counts, split_tail, tail_metrics
-from tailrl.spec.config import SpecConfig
+from tailrl.rl.rollout.tail import running_counts, split_tail, tail_metrics
+from tailrl.speculative.config import SpecConfig
 from tests.rl_helpers import small_cfg
 
 

@@ -6,7 +6,7 @@ import torch
 from tailrl.cli import main
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tailrl.rl.weights import push_weights
+from tailrl.rl.rollout.weights import push_weights
 from tests.conftest import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg
 

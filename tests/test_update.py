@@ -11,10 +11,10 @@ import torch
 from tailrl.config import AlgoCfg
 from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.forward import make_batch, micro_batches, no_grad_logprobs, sequence_logprobs
-from tailrl.rl.logprobs import head_logprobs
-from tailrl.rl.precision import Precision
-from tailrl.rl.update import mismatch, policy_update
+from tailrl.rl.actor.forward import make_batch, micro_batches, no_grad_logprobs, sequence_logprobs
+from tailrl.rl.actor.logprobs import head_logprobs
+from tailrl.rl.actor.precision import Precision
+from tailrl.rl.actor.update import mismatch, policy_update
 from tests.conftest import make_tiny_checkpoint
 
 # fp32 tolerances: the chunked path sums the same products in another order
@@ -209,7 +209,7 @@ def test_skipping_zero_advantage_sequences_gives_the_same_update(tiny):
     batch = make_batch(comps(seed=3, n=12), pad=0)
     adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.2, -0.4, -0.8, 0.0, 0.0, 0.7, 0.0, -0.7])
     algo = AlgoCfg(mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, clip_low=0.2, clip_high=0.28)
-    from tailrl.rl.update import update_plan
+    from tailrl.rl.actor.update import update_plan
 
     minis, live = update_plan(batch.groups, adv, algo, random.Random(0), has_ref=False)
     assert any(not any(live[i] for i in m) for m in minis), "the case needs a mini-batch with only zero advantages"
@@ -241,7 +241,7 @@ def test_all_zero_advantages_still_step_adam_on_zero_gradients(tiny):
 
 
 def test_fused_adamw_where_possible_and_it_steps_like_the_default_kernels():
-    from tailrl.rl.precision import make_adamw
+    from tailrl.rl.actor.precision import make_adamw
 
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(7, 5))]
@@ -294,7 +294,7 @@ def grouped_comps(seed: int, prompts: int, n: int):
 
 
 def test_token_budget_micro_batches_fit_the_budget_and_keep_groups_together():
-    from tailrl.rl.packing import packed_len, packed_tokens
+    from tailrl.rl.actor.packing import packed_len, packed_tokens
 
     batch = make_batch(grouped_comps(seed=5, prompts=6, n=4), pad=0)
     batch.seqs[3] = batch.seqs[3] + list(range(3, 93)) * 2  # one sequence longer than the budget: a micro-batch alone
@@ -311,7 +311,7 @@ def test_token_budget_micro_batches_fit_the_budget_and_keep_groups_together():
             assert sum(set(members) <= set(m) for m in micros) == 1, g
     assert micro_batches(batch, idx, 3) == micro_batches(batch, idx, 3, tokens=0)  # 0: by sequence count
     # a group past a small budget: cut in index order into maximal pieces that fit
-    from tailrl.rl.packing import token_segments
+    from tailrl.rl.actor.packing import token_segments
 
     pieces = token_segments(batch.groups, batch.seqs, batch.prompt_lens, idx, 40)
     assert [i for p in pieces for i in p] == sorted(idx, key=lambda i: (batch.groups[i], i)) and len(pieces) > 8
@@ -355,7 +355,7 @@ def test_negative_micro_batch_tokens_is_a_config_error():
 def test_masked_truncated_responses_leave_the_update(tiny):
     """DAPO's overlong filtering: with the truncated rows masked, what they hold changes nothing (their tokens are
     not computed, their tokens leave the normalisers); unmasked, the same change moves the weights."""
-    from tailrl.rl.forward import mask_truncated
+    from tailrl.rl.actor.forward import mask_truncated
 
     algo = AlgoCfg(mini_batch_size=4, micro_batch_size=2)
     adv = torch.tensor([0.9, -0.3, -0.6, 1.1, -1.1, 0.5, -0.5, 0.2])

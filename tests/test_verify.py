@@ -14,8 +14,8 @@ import torch
 
 from tailrl.engine import SamplingParams
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
-from tailrl.spec.tree import DraftTree
-from tailrl.spec.verify import verify_tree
+from tailrl.speculative.tree import DraftTree
+from tailrl.speculative.verify import verify_tree
 from tests.stats import chisquare_pvalue
 
 V, D, DRAWS = 5, 3, 100_000

@@ -11,9 +11,9 @@ import pytest
 
 from tailrl.config import DataCfg, RewardCfg, load_config
 from tailrl.rl.data import load_datasets, peek_rows
-from tailrl.rl.reward_runner import RewardRunner
-from tailrl.rl.rewards import accuracy_verifier
-from tailrl.rl.verl import adopt_verl, verl_reward
+from tailrl.rl.rewards.runner import RewardRunner
+from tailrl.rl.rewards.builtin import accuracy_verifier
+from tailrl.rl.rewards.verl import adopt_verl, verl_reward
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's gsm8k.py
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # verl's math_dataset.py
@@ -135,7 +135,7 @@ class RewardSpy:
 
 
 def expected(text: str, answer: str, source: str) -> float:
-    """The rule verl applies to each source, written here independently of tailrl.rl.verl."""
+    """The rule verl applies to each source, written here independently of tailrl.rl.rewards.verl."""
     if source == "openai/gsm8k":
         found = re.findall(r"#### (\-?[0-9\.\,]+)", text)
         return float(bool(found) and found[-1].replace(",", "") == answer)

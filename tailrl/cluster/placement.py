@@ -19,7 +19,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..spec.budgets import expected_remaining
+from ..speculative.budgets import expected_remaining
 from .cost import StepCost
 
 

@@ -3,9 +3,9 @@ a drafter."""
 
 from __future__ import annotations
 
-from ..spec.config import SpecConfig
-from ..spec.drafters import FallbackDrafter, model_free_drafters
-from ..spec.speculator import Speculator
+from ..speculative.config import SpecConfig
+from ..speculative.drafters import FallbackDrafter, model_free_drafters
+from ..speculative.speculator import Speculator
 from .propose import LearnedDrafter
 
 

@@ -16,8 +16,8 @@ import math
 import torch
 
 from ..model.step import make_step
-from ..spec.noise import draw_without_replacement
-from ..spec.tree import DraftTree
+from ..speculative.noise import draw_without_replacement
+from ..speculative.tree import DraftTree
 from .config import DrafterConfig
 from .eagle import EagleDrafter
 

@@ -19,7 +19,7 @@ import torch
 
 from ..model.llama import CausalLM
 from ..model.step import make_padded_step
-from ..spec.tree import DraftTree
+from ..speculative.tree import DraftTree
 from .kv_cache import KVCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..spec.config import SpecConfig
+from ..speculative.config import SpecConfig
 
 
 @dataclass

@@ -16,8 +16,8 @@ import torch
 
 from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
 from ..model.llama import CausalLM
-from ..spec.backoff import token_classes
-from ..spec.speculator import Speculator
+from ..speculative.backoff import token_classes
+from ..speculative.speculator import Speculator
 from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
 from .probe import resolve_invariant

@@ -14,14 +14,14 @@ Layout: a pass of S sequences with Q rows each (a root and up to Q - 1 draft nod
 StaticBatch lays it out: row b*Q + r of the logits is row r of sequence b, `ids[b, r]` the token at that row and
 `parents[b, r]` its parent's row (the root's and padded rows' parents are themselves). Sequences past the real
 ones, and rows past a sequence's `q_lens`, are padding: they are sampled (a fixed shape costs that) and ignored.
-Drafts with probabilities (rejection sampling, spec/verify.py) are not handled here: they go through `verify_tree`."""
+Drafts with probabilities (rejection sampling, speculative/verify.py) are not handled here: they go through `verify_tree`."""
 
 from __future__ import annotations
 
 import torch
 
-from ..spec.noise import gumbel, hash_tensor, signed64
-from ..spec.verify import Verdict
+from ..speculative.noise import gumbel, hash_tensor, signed64
+from ..speculative.verify import Verdict
 from .sampler import warp_tensors
 
 

@@ -27,7 +27,7 @@ and `contiguous_prefix` cuts an accepted path at its first node off that layout.
 
 from __future__ import annotations
 
-from ..spec.verify import Verdict
+from ..speculative.verify import Verdict
 
 
 def contiguous_prefix(v: Verdict) -> Verdict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from ..spec.selector import OFF
-from ..spec.speculator import Speculator
+from ..speculative.selector import OFF
+from ..speculative.speculator import Speculator
 from .invariant import contiguous_prefix
 from .output import append_tokens
 from .runner import ModelRunner

@@ -20,7 +20,7 @@ import torch
 
 from ..model.llama import CausalLM
 from ..model.step import make_step
-from ..spec.tree import DraftTree
+from ..speculative.tree import DraftTree
 from .buckets import Bucket, StaticBatch, forward_padded, pick_bucket
 from .graphs import GraphPool
 from .blocks import blocks_for

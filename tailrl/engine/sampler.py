@@ -1,7 +1,7 @@
 """Logit warping (temperature, top-k, top-p) and sampling keyed by (request seed, token position).
 
 The uniform that draws the token at output position i of a request depends only on the request's seed and i
-(spec/noise.py: a counter-based hash, computed on the logits' device).
+(speculative/noise.py: a counter-based hash, computed on the logits' device).
 Plain decoding and speculative verification with deterministic drafts therefore emit the very same tokens,
 not merely tokens of the same distribution, and a batch gives each request what it would get alone.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.noise import gumbel_argmax, row_keys, signed64
-from ..spec.verify import Verdict, verify_tree, walk
+from ..speculative.noise import gumbel_argmax, row_keys, signed64
+from ..speculative.verify import Verdict, verify_tree, walk
 from .sampling import SamplingParams
 
 

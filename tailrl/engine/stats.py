@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field, fields
 
-from ..spec.selector import batch_bucket
+from ..speculative.selector import batch_bucket
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Three forwards share the weights: `forward` runs new tokens of many sequences against a KV cache (prefill,
 decode, or a draft tree in one pass); `forward_full` is the plain causal pass over whole sequences;
 `forward_shared` is the pass training differentiates through, in which responses to one prompt attend to one copy
-of it (rl/packing.py)."""
+of it (rl/actor/packing.py)."""
 
 from __future__ import annotations
 
@@ -296,7 +296,7 @@ class CausalLM(nn.Module):
         return tiled_linear(self.lm_head, x, tile), {i: h[:T] for i, h in hidden.items()}
 
     def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:
-        """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/packing.py builds it).
+        """input_ids, positions [prompt rows + response rows], packed as `lay` says (rl/actor/packing.py builds it).
         Returns the last hidden state after the final norm, one row per input token; differentiable."""
         x, _ = self._run_layers(self.model.embed_tokens(input_ids), positions, (), shared=lay)
         return x

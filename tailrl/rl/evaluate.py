@@ -22,11 +22,11 @@ from math import comb
 from pathlib import Path
 
 from ..config import Config, ConfigError, load_config
-from .checkpoint import candidates
+from .checkpoint.store import candidates
 from .data import fit_prompts, load_datasets, peek_rows, read_table, to_examples
-from .rewards import accuracy_name, extract_answer
+from .rewards.builtin import accuracy_name, extract_answer
 from .tasks import TASKS
-from .verl import adopt_verl
+from .rewards.verl import adopt_verl
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     from ..drafter.compose import make_speculator
     from ..engine import Engine, EngineConfig, SamplingParams
     from ..model import load_model
-    from .reward_runner import RewardRunner
+    from .rewards.runner import RewardRunner
 
     cfg = src.cfg
     device = device or cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")

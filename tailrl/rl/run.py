@@ -15,8 +15,8 @@ from ..config import Config, to_dict
 from ..loggers import check_loggers
 from ..console import RunConsole, header_lines
 from ..metrics import MetricsWriter
-from . import run_dir
-from .checkpoint import disk_warning, latest_name
+from .checkpoint import run_dir
+from .checkpoint.store import disk_warning, latest_name
 from .stop import Interrupted, StopOnSignal
 from .trainer import Trainer
 

@@ -1,5 +1,5 @@
-"""The GRPO/DAPO step loop over three roles: the rollout (rollout.py: engine or Ray workers, speculator, learned
-drafter) samples, the rewards (rewarder.py) score, the actor (actor.py, or N sharded ranks: actor_group.py)
+"""The GRPO/DAPO step loop over three roles: the rollout (rollout/engine.py: engine or Ray workers, speculator, learned
+drafter) samples, the rewards (rewards/rewarder.py) score, the actor (actor/actor.py, or N sharded ranks: actor/group.py)
 updates the policy, whose new weights then go to the rollout; checkpoints of the whole state and resume from
 them (`run.train` is the run around the steps).
 
@@ -20,17 +20,17 @@ import torch
 
 from ..config import Config, to_dict
 from ..model.load import resolve_dtype
-from .actor import device_of
+from .actor.actor import device_of
 from .algos import group_advantages
-from .checkpoint import config_changes, load_checkpoint, save_checkpoint
+from .checkpoint.store import config_changes, load_checkpoint, save_checkpoint
 from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
-from .forward import make_batch, mask_truncated
+from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
-from .rewarder import Rewarder
-from .rollout import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
+from .rewards.rewarder import Rewarder
+from .rollout.engine import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
 from .samples import pick_samples, sample_steps
-from .state_check import check_checkpoint, python_rng
-from .verl import adopt_verl, warn_unknown_sources
+from .checkpoint.state_check import check_checkpoint, python_rng
+from .rewards.verl import adopt_verl, warn_unknown_sources
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ def make_actor(cfg: Config, rollout_dtype: torch.dtype):
     """(actor, the engine's model, tokenizer): at world_size=1 the Actor in process, whose fp32 master (or bf16
     copy) the engine runs; at N an ActorGroup of N sharded ranks, and the engine loads its own model."""
     if cfg.trainer.world_size == 1:
-        from .actor import Actor
+        from .actor.actor import Actor
 
         actor = Actor(cfg, rollout_dtype)
         return actor, actor.engine_model, actor.tokenizer
     from ..model import load_model
-    from .actor_group import ActorGroup
+    from .actor.group import ActorGroup
 
     model, tokenizer = load_model(cfg.model.path, device=device_of(cfg), dtype=rollout_dtype)
     if tokenizer is None:
@@ -214,8 +214,8 @@ class Trainer:
         return json.loads(json.dumps(to_dict(self.cfg)))
 
     def resume(self) -> bool:
-        """Loads the newest usable checkpoint (see checkpoint.py for the fallbacks) and says what it did. Each is
-        checked against this trainer first (state_check.py), so that what follows cannot fail half way."""
+        """Loads the newest usable checkpoint (see checkpoint/store.py for the fallbacks) and says what it did. Each is
+        checked against this trainer first (checkpoint/state_check.py), so that what follows cannot fail half way."""
         root = self.out / "checkpoints"
         r = self.rollout_role
         opt = self.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
@@ -226,7 +226,7 @@ class Trainer:
             print(f"no checkpoint in {root}: starting fresh")
             return False
         state = got.state
-        if got.sharded is not None:  # written by N ranks: any world size reads it (sharded_io.py)
+        if got.sharded is not None:  # written by N ranks: any world size reads it (checkpoint/sharded_io.py)
             has_opt = self.actor.load_sharded(got.sharded)
         else:
             self.actor.load(got.model, state.get("optimizer"))

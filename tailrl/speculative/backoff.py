@@ -2,7 +2,7 @@
 
 A most-frequent-continuation draft is accepted with probability p(draft): where the policy's next token is
 uncertain (a list of numbers, a choice between phrasings) that is low however good the guess. The verifier draws
-the token at output position i as argmax over the vocabulary of log p(x) + G(seed, i, x) (spec/noise.py); a
+the token at output position i as argmax over the vocabulary of log p(x) + G(seed, i, x) (speculative/noise.py); a
 draft drawn as argmax of log q(x) + G(seed, i, x) with the same noise agrees with it with probability
 P(argmax(log q + G) = argmax(log p + G)), which is 1 where q = p however flat p is. The draft stays a function
 of the text and the seed, so the verifier's walk is unchanged and the emitted tokens are plain decoding's, bit

@@ -15,19 +15,19 @@ class SpecConfig:
     init_depth: int = 4
     min_depth: int = 2
     min_prob: float = 0.1  # stop drafting where the estimated probability of a path falls below this
-    # verify only the drafted nodes whose calibrated odds pay for their rows (spec/allocate.py); off by default: on
+    # verify only the drafted nodes whose calibrated odds pay for their rows (speculative/allocate.py); off by default: on
     # this CPU it won where the policy repeats itself and lost where it does not (benchmarks/RESULTS.md)
     allocate: bool = False
     # a batch-invariant verifier runs its products on whole tiles of rows (model/chunked.py ROW_TILE): the rows a step
     # leaves free in its last tile verify the likeliest next draft nodes, at no cost but their sampling
-    # (spec/allocate.py fill_tile)
+    # (speculative/allocate.py fill_tile)
     fill_tiles: bool = True
     # DAS: requests predicted to run longest get deeper trees; share = out of the rows the batch verifies anyway
     # (or for at most a quarter of it, or one request), extend = every long request gets twice the arm's budget
-    # (spec/budgets.py)
+    # (speculative/budgets.py)
     das: str = "share"
     # sampled requests: the n-gram drafter drafts with the verifier's own noise from a backoff estimate of what
-    # follows (spec/backoff.py coupled_chain), not the most frequent continuation
+    # follows (speculative/backoff.py coupled_chain), not the most frequent continuation
     coupled: bool = True
     min_match: int = 2  # history: shortest suffix match worth drafting from
     match_factor: float = 2.0  # history: draft budget = match_factor * match length + match_offset

@@ -179,7 +179,7 @@ class HistoryDrafter(ModelFreeDrafter):
 class NgramDrafter(ModelFreeDrafter):
     """Prompt lookup: the sequence's own prompt and output. Greedy requests: the continuation of the longest n-gram
     match. Sampled requests (cfg.coupled): a chain drawn from a backoff model of the text with the verifier's own
-    noise (spec/backoff.py), whose number classes and digit tokens the engine gives (`classes`, `digits`)."""
+    noise (speculative/backoff.py), whose number classes and digit tokens the engine gives (`classes`, `digits`)."""
 
     name = "ngram"
 

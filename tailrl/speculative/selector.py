@@ -2,7 +2,7 @@
 
 Expected throughput of an arm at batch size B (RLHFSpec-style cost model):
     B * (1 + accepted per sequence-step) / (T_step(B, R) + B * draft cost),  R = B * (1 + drafted)
-with T_step fitted per batch-size bucket from that bucket's own steps (spec/step_cost.py: c * B + r * draft rows +
+with T_step fitted per batch-size bucket from that bucket's own steps (speculative/step_cost.py: c * B + r * draft rows +
 v * [verifies]; what a row costs against a sequence changes with the batch), and acceptance and draft size tracked
 per arm. Before a bucket's first step, T_forward measured over every forward (time against tokens in the pass)
 plus a step's overhead outside it (sampling, acceptance, KV compaction; plain and speculative apart) stand in.
@@ -129,7 +129,7 @@ class Selector:
     def __init__(self, cfg: SpecConfig, drafters: list[str] | None = None, alpha: float = 0.2,
                  budgets: tuple[int, ...] | None = None):
         """budgets: the arms' draft budgets (default cfg.budgets; the speculator passes them cut to whole query
-        blocks where the verifier attends in blocks, spec/budgets.py:block_budget)."""
+        blocks where the verifier attends in blocks, speculative/budgets.py:block_budget)."""
         self.cfg = cfg
         drafters = list(cfg.drafters if drafters is None else drafters)
         self.budgets = tuple(cfg.budgets if budgets is None else budgets)

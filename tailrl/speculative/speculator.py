@@ -60,7 +60,7 @@ class Speculator:
         passes; 0: all at once): drafts are cut to whole blocks (block_budget), and so are the selector's budgets.
         key_chunk: the keys it reads at a time (CHUNK in invariant passes): the selector prices a step's attention
         in such chunks (step_cost.attention_units).
-        classes, digits: token classes and single-digit tokens of the tokenizer (spec/backoff.py number_classes,
+        classes, digits: token classes and single-digit tokens of the tokenizer (speculative/backoff.py number_classes,
         digit_values) for drafters that model text.
         row_tile: the verifier runs its matrix products on whole tiles of this many rows (ROW_TILE in invariant
         passes; 0: none): the rows a step leaves free in its last tile verify more draft nodes (allocate.fill_tile)."""

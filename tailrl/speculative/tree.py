@@ -6,7 +6,7 @@ target distribution for the root's children, row 1 + i for node i's children. A 
 in the order they appear. `q[node]` (node -1 for the root) is the draft distribution the node's children were
 sampled from without replacement, in that order; without it the children are deterministic drafts.
 `cond[i]` and `support[i]` (optional) are the drafter's own estimate of P(node i | its parent accepted) and how many
-observations it rests on; spec/allocate.py calibrates them into the odds that decide which nodes a step verifies."""
+observations it rests on; speculative/allocate.py calibrates them into the odds that decide which nodes a step verifies."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ q (renormalised); if every child is rejected, the token is drawn from the final 
 Greedy takes the argmax at every node, which makes any draft exact. Emitted logprobs are those of the
 target's (warped) distribution at each position: what plain decoding would have reported.
 
-All randomness for the token at output position i comes from that position's keyed noise (spec/noise.py): its
+All randomness for the token at output position i comes from that position's keyed noise (speculative/noise.py): its
 Gumbel noise draws a token (plain, or from the residual), uniform(seed, i, 1 + k) tests the k-th tried child. Deterministic
 drafts therefore emit exactly what plain decoding with the same seed emits."""
 

@@ -2,7 +2,7 @@
 reference, the update (update.py), the checkpointed state and the weights export.
 
 At `trainer.world_size=1` it is the one-process trainer of before (no process group, no Ray). At N it runs once
-in each of N ranks (actor_group.py starts them), its modules sharded with FSDP2 (fsdp.py) and the update data-
+in each of N ranks (group.py starts them), its modules sharded with FSDP2 (fsdp.py) and the update data-
 parallel (ranks.py); the step loop talks to `ActorGroup`, which has this class's methods, and never knows.
 
 Invariants: the optimizer, its state and checkpoints only ever see the fp32 master; after `update` every rank
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
-from ..model import load_model, save_pretrained
-from .checkpoint import non_finite_params
+from ...config import Config
+from ...model import load_model, save_pretrained
+from ..checkpoint.store import non_finite_params
 from .fsdp import apply_fsdp, full_layers, local_bytes
 from .forward import Batch
 from .precision import Precision, make_adamw, resolve_mode
@@ -139,14 +139,14 @@ class Actor:
             g.update(kernels)
 
     def save_sharded(self, folder: Path, final: bool) -> None:
-        """Every rank: its shards of the weights (and AdamW's moments) into folder (sharded_io.py)."""
-        from .sharded_io import save_sharded
+        """Every rank: its shards of the weights (and AdamW's moments) into folder (checkpoint/sharded_io.py)."""
+        from ..checkpoint.sharded_io import save_sharded
 
         save_sharded(folder, self.policy, self.optimizer, self.keeps_optimizer(final))
 
     def load_sharded(self, folder: Path) -> bool:
         """Every rank: a sharded checkpoint written at any world size. Returns whether it held optimizer state."""
-        from .sharded_io import load_sharded
+        from ..checkpoint.sharded_io import load_sharded
 
         got = load_sharded(folder, self.policy, self.optimizer)
         self.prec.after_step()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ...config import Config
 
 FAULT: tuple | None = None  # tests only: (rank, step, "exit" | "hang"), injected into that rank's update
 
@@ -116,7 +116,7 @@ class ActorGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ..cluster.workers import start_ray
+        from ...cluster.workers import start_ray
 
         self.cfg, self.world = cfg, cfg.trainer.world_size
         self.timeout = cfg.trainer.collective_timeout_s
@@ -143,7 +143,7 @@ class ActorGroup:
     # ---- calls on every rank, failures named -------------------------------------------------------------
 
     def _latest(self) -> str | None:
-        from .checkpoint import latest_name
+        from ..checkpoint.store import latest_name
 
         return latest_name(Path(self.cfg.trainer.out_dir) / "checkpoints")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import SharedPrompts
+from ...model.llama import SharedPrompts
 
 
 @dataclass

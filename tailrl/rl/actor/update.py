@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .algos import aggregate, kl_penalty, policy_loss
+from ..algos import aggregate, kl_penalty, policy_loss
 from .forward import Batch, sequence_logprobs
 from .packing import packed_tokens, segments
 from .precision import Precision

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from safetensors import SafetensorError
 
-from ..drafter.eagle import EagleDrafter, load_drafter, save_drafter
+from ...drafter.eagle import EagleDrafter, load_drafter, save_drafter
 from .state_io import (PICKLED, STATE_JSON, STATE_TENSORS, StateError, convert_pickled, is_pickled, read_pickled_state,
                        read_state, write_state)
 

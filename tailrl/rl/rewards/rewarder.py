@@ -1,4 +1,4 @@
-"""The rewards role: the configured reward functions (reward_runner.py, where one bad function or sample fails
+"""The rewards role: the configured reward functions (runner.py, where one bad function or sample fails
 alone) and the strict verifier behind `acc/mean`, scoring a step's completions against their prompts' rows.
 
 Invariant: a completion is scored against the row of the prompt it answered (`prompt_index`); the rollout's
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
-from .reward_runner import RewardRunner
-from .rewards import accuracy_verifier
+from ...config import Config
+from .runner import RewardRunner
+from .builtin import accuracy_verifier
 
 
 class Rewarder:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .rewards import BUILTIN, load_function, reward_weights
+from .builtin import BUILTIN, load_function, reward_weights
 
 log = logging.getLogger(__name__)
 

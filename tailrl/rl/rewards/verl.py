@@ -21,7 +21,7 @@ import logging
 import re
 import threading
 
-from ..config import DataCfg, RewardCfg
+from ...config import DataCfg, RewardCfg
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The rollout role: the in-process engine or the Ray rollout workers (multi_worker.py), the speculator and the
+"""The rollout role: the in-process engine or the Ray rollout workers (ray_cluster.py), the speculator and the
 learned drafter (its head drafts in the engine; its trainer learns on idle capacity, TLT's spot trainer).
 
 It takes the policy's weights by name (`load_weights`: a stream of (name, tensor) pairs, each copied into the
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
-from ..drafter.compose import make_speculator
-from ..drafter.eagle import EagleDrafter, load_drafter
-from ..drafter.propose import LearnedDrafter
-from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
-from ..engine import Engine, EngineConfig, SamplingParams
-from .multi_worker import cluster_rollout, make_cluster
+from ...config import Config
+from ...drafter.compose import make_speculator
+from ...drafter.eagle import EagleDrafter, load_drafter
+from ...drafter.propose import LearnedDrafter
+from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
+from ...engine import Engine, EngineConfig, SamplingParams
+from .ray_cluster import cluster_rollout, make_cluster
 from .tail import tail_metrics
 from .weights import push_weights
 

@@ -10,7 +10,7 @@ Definitions (pure functions of the engine's `StepRecord`s, in step order, and th
   the step, drafting and the speculator's feedback included, one-time CUDA-graph capture excluded).
 - **SD-off estimate** of a step: `StepRecord.plain_est_s` for a decode step that has one. The speculator fills it in
   from the selector's cost model: the step's emitted tokens / B plain decode steps, each priced at the fitted
-  plain-step cost of the step's batch-size bucket at the step's contexts (`spec/step_cost.py`: c * B + u * the key
+  plain-step cost of the step's batch-size bucket at the step's contexts (`speculative/step_cost.py`: c * B + u * the key
   chunks a plain pass over those sequences reads, fitted on this process's own steps at that batch size, with a
   prior until verify steps separate a row's price). It is the same estimator as
   `spec/speedup_est`. Prefill steps, and every step of a run without a speculator (SD off), count at their measured
