@@ -111,7 +111,7 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str], p
 
 
 def print_tail(steps: dict, seeds: list[int]) -> None:
-    """The long tail (at most a quarter of the sequences running, rl/rollout/tail.py) in each arm's training rollouts: its
+    """The long tail (at most a quarter of the sequences running, engine/tail.py) in each arm's training rollouts: its
     share of rollout time, and SD's gain there and in the body, measured (SD-off seconds over SD-auto seconds of the
     same part; the same tokens where the invariance probe holds) and as the auto arm's own SD-off estimate."""
     rows = {m: [r for s in seeds for r in steps[(m, s)]] for m in ("auto", "off")}

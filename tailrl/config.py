@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from .cluster.config import ClusterConfig
-from .config_help import choice_problem, did_you_mean, or_list
+from .config_help import REMOVED, choice_problem, did_you_mean, or_list
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
 from .speculative.config import SpecConfig
@@ -275,6 +275,8 @@ def _coerce(value, t, key: str):
 
 def unknown_key(full: str) -> ConfigError:
     """One line: the key and the nearest valid ones."""
+    if full in REMOVED:
+        return ConfigError(f"key {full!r} was removed: {REMOVED[full]}")
     near = did_you_mean(full, valid_keys())
     hint = f"did you mean {or_list(near)}?" if near else "`tailrl config show` lists the valid keys"
     return ConfigError(f"unknown key {full!r}; {hint}")

@@ -42,6 +42,10 @@ ALIASES = {
     "mask_truncated_completions": "algo.mask_truncated",
 }
 
+# keys that existed, and why they are gone (an old config gets the reason, not a guess)
+_TAIL = "the long tail has one definition, at most a quarter of the rollout's sequences running (engine/tail.py)"
+REMOVED = {"drafter.spot_batch": _TAIL, "drafter.spot_frac": _TAIL}
+
 GROUPS = {
     "model": "the policy: a known name, HF folder or .gguf; device; engine dtype and the update's compute",
     "data": "a JSONL/Parquet (verl's format too) or a built-in task; prompt/answer columns; system prompt",
@@ -86,7 +90,7 @@ DOCS = {
     "rollout.spec.seed": "draft sampling seed", "drafter.weight_decay": "AdamW weight decay of the head",
     "drafter.warmup_steps": "lr warm-up steps", "drafter.grad_clip": "gradient norm clip",
     "drafter.hidden_weight": "weight of the SmoothL1 term on the next hidden state",
-    "drafter.ce_weight": "weight of the soft cross-entropy term", "drafter.spot_frac": "see spot_batch",
+    "drafter.ce_weight": "weight of the soft cross-entropy term",
 }
 
 
@@ -106,7 +110,10 @@ def did_you_mean(key: str, keys: list[str], n: int = 3) -> list[str]:
     out += [k for k in keys if k.startswith(key) and "." in key]  # a key cut short: algo.kl -> algo.kl_coef
     if out:  # another trainer's name, the same last part or a key cut short: no guessing beyond them
         return list(dict.fromkeys(out))[:n]
-    scored = sorted(((max(_similar(key, k), _similar(leaf, k.rsplit(".", 1)[-1]) - 0.05), k) for k in keys), reverse=True)
+    scored = [(max(_similar(key, k), _similar(leaf, k.rsplit(".", 1)[-1]) - 0.05), k) for k in keys]
+    # a misspelt name from another trainer (algo.learning_rat, num_generation) is answered with the key it means
+    scored += [(_similar(leaf, alias), ALIASES[alias]) for alias in ALIASES if ALIASES[alias] in keys]
+    scored.sort(reverse=True)
     if scored and scored[0][0] >= 0.6:
         best = scored[0][0]
         out += [k for s, k in scored if s >= max(0.6, best - 0.06)]

@@ -1,6 +1,6 @@
 """The run report: plots of reward and accuracy, step time by phase, response lengths per step, accept length over
 steps and the rollout's long tail (running sequences over rollout time, SD on against the SD-off estimate; tail
-share and SD's speedup in the tail and the body per step, rl/rollout/tail.py), written as report.png and report.md in the
+share and SD's speedup in the tail and the body per step, engine/tail.py), written as report.png and report.md in the
 run folder, and one good and one bad completion from the first and the last logged steps (samples.jsonl), so that
 a reader sees what the model learned."""
 

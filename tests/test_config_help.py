@@ -15,6 +15,13 @@ from tailrl.config_help import did_you_mean
     ("actor_rollout_ref.actor.optim.lr", "algo.lr"),  # verl's path: matched by its last part
     ("num_generations", "rollout.n"),
     ("data.max_response_length", "rollout.max_tokens"),
+    ("algo.learning_rat", "algo.lr"),  # a typo of TRL's name
+    ("num_generation", "rollout.n"),
+    ("max_completion_len", "rollout.max_tokens"),
+    ("beta", "algo.kl_coef"),
+    ("data.train_batch_size", "trainer.prompts_per_step"),  # verl's
+    ("data.train_batch_sise", "trainer.prompts_per_step"),  # a typo of verl's
+    ("actor_rollout_ref.rollout.n", "rollout.n"),
 ])
 def test_an_unknown_key_gets_the_nearest_valid_keys(typo, nearest):
     with pytest.raises(ConfigError) as e:
@@ -84,3 +91,8 @@ def test_a_misspelled_builtin_reward_names_the_nearest():
 
     with pytest.raises(ValueError, match=r"'mth': choose one of math, .*verl \(did you mean math\?\)"):
         RewardRunner(["mth"])
+
+
+def test_a_removed_key_says_why():
+    with pytest.raises(ConfigError, match="drafter.spot_batch' was removed: the long tail has one definition"):
+        load_config(None, ["drafter.spot_batch=4"])

@@ -101,7 +101,7 @@ def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
     trainer = DrafterTrainer(head, cfg, buffer=tiny_draft_buffer(model))
     spot = SpotTrainer(trainer, cfg)
     threads = torch.get_num_threads()
-    lender = SpotLender(spot, trainer.buffer, cfg, tail_batch=64, threads=max(threads, 2))
+    lender = SpotLender(spot, trainer.buffer, cfg, n_seqs=256, threads=max(threads, 2))  # tail: <= 64 running
     prompts, params = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, n=2, ignore_eos=True)
     plain = Engine(model, None, EngineConfig(kv_cache_gb=0.2)).generate(prompts, params)
     spec = SpecConfig(mode="learned")
@@ -161,7 +161,7 @@ def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
             return True
 
     before = torch.get_num_threads()
-    lender = SpotLender(StubSpot(), DraftBuffer(), DrafterConfig(), tail_batch=4, threads=2)
+    lender = SpotLender(StubSpot(), DraftBuffer(), DrafterConfig(), n_seqs=16, threads=2)  # tail: <= 4 running
     try:
         lender.on_engine_step(2, [])  # the long tail: threads lent
         assert lender.lent and torch.get_num_threads() == 1

@@ -4,7 +4,8 @@ import pytest
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams, StepRecord
 from tailrl.rl.run import train
-from tailrl.rl.rollout.tail import running_counts, split_tail, tail_metrics
+from tailrl.engine.stats import GenerateStats
+from tailrl.engine.tail import in_tail, running_counts, split_tail, tail_metrics, tail_size
 from tailrl.speculative.config import SpecConfig
 from tests.rl_helpers import small_cfg
 
@@ -93,3 +94,38 @@ def test_the_report_shows_the_tail(tmp_path):
     # step 1: tail 0.4 s (off 1.1), body 2.9 s (off 4.4); step 2: tail 0.8 s (off 1.5), body 2.5 s (off 4.0)
     assert "1s of 7s of rollout (18%)" in text and "2.17x in the tail, 1.56x in the body" in text
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_one_tail_for_the_metrics_the_engine_stats_and_the_spot_lender():
+    """At most a quarter of the rollout's sequences running: the split's tail, the engine's tail tokens/s and the
+    steps where the spot trainer is lent threads are the same steps."""
+    from tailrl.drafter.buffer import DraftBuffer
+    from tailrl.drafter.config import DrafterConfig
+    from tailrl.drafter.train import SpotLender
+
+    assert [in_tail(r, 16) for r in (0, 1, 4, 5, 16)] == [False, True, True, False, False]
+    assert tail_size(3) == 0 and not in_tail(1, 3)  # fewer than 4 sequences: no tail
+    stats = GenerateStats(tail_size=tail_size(8))
+    for r in RECORDS:
+        stats.add(r)
+    assert stats.tail_s == pytest.approx(split_tail(RECORDS, 8).tail_s)  # no prefill falls in this tail
+
+    class Spot:
+        running = False
+
+        def resume(self):
+            self.running = True
+            return True
+
+        def pause(self, wait=True, timeout=None):
+            self.running = False
+            return True
+
+    lender = SpotLender(Spot(), DraftBuffer(), DrafterConfig(), threads=1)
+    lender.spot.begin_step = lambda *a: None
+    lender.begin_step(1, 10.0, n_seqs=8)
+    lent = []
+    for r in RECORDS[1:]:
+        lender.on_engine_step(r.batch, [])
+        lent.append(lender.lent)
+    assert lent == [in_tail(b, 8) for b in running_counts(RECORDS)[1:]]

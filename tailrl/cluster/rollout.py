@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..engine import Completions, SamplingParams
 from ..engine.stats import GenerateStats
+from ..engine.tail import tail_size
 from .config import ClusterConfig
 from .cost import StepCost
 from .migrate import Candidate, plan_moves
@@ -144,11 +145,10 @@ class ClusterRollout:
         ok, failed = self.pool.gather({w: self.pool.submit(w, "end_rollout") for w in live}, self.cfg.step_timeout_s)
         for w, why in failed.items():
             log.warning("worker %d failed at the end of the rollout (%s); it restarts at the next step", w, why)
-        ecfg = self.spec.engine
-        tail = max(ecfg.tail_batch, int(ecfg.tail_frac * len(self.samples)))
-        stats = GenerateStats(tail_batch=tail)
+        tail = tail_size(len(self.samples))
+        stats = GenerateStats(tail_size=tail)
         for w, out in ok.items():
-            part = GenerateStats(tail_batch=tail)
+            part = GenerateStats(tail_size=tail)
             for r in out["records"]:
                 part.add(r)
             stats.merge(part)

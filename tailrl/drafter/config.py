@@ -25,8 +25,6 @@ class DrafterConfig:
     buffer_steps: int = 2  # train on the last K RL steps (TLT's one-step offset sampling)
     # spot training during the rollout's long tail
     spot: bool = True
-    spot_batch: int = 4  # the long tail: at most max(spot_batch, spot_frac x the rollout's sequences) still running
-    spot_frac: float = 0.3
     spot_threads: int = 1  # CPU threads the spot trainer takes from the rollout while it runs
     spot_share: float = 0.05  # spot training runs at most this share of the previous RL step's time
     spot_micro_tokens: int = 256  # micro-batch size: pausing waits for one micro-batch at most
@@ -42,5 +40,5 @@ class DrafterConfig:
             raise ValueError("drafter.lr must be > 0, batch_tokens >= 16 and max_window >= 8")
         if self.buffer_tokens < self.batch_tokens or self.buffer_steps < 1:
             raise ValueError("drafter.buffer_tokens must be >= batch_tokens and buffer_steps >= 1")
-        if self.spot_batch < 1 or self.spot_threads < 1 or not 0 <= self.spot_share <= 1 or not 0 <= self.spot_frac <= 1:
-            raise ValueError("drafter.spot_batch and spot_threads must be >= 1, spot_share and spot_frac in [0, 1]")
+        if self.spot_threads < 1 or not 0 <= self.spot_share <= 1:
+            raise ValueError("drafter.spot_threads must be >= 1 and spot_share in [0, 1]")

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..engine.tail import in_tail
 from .buffer import DraftBuffer, DraftSample
 from .config import DrafterConfig
 from .eagle import EagleDrafter, choose_vocab
@@ -278,25 +279,28 @@ class SpotLender:
 
     The caller reports each engine step: how many sequences still run and the completions that finished
     (their hidden states feed the drafter buffer, tagged by RL step; errors are skipped). The long tail is
-    0 < running <= tail_batch. Invariants: threads are lent (the rollout runs on `threads - spot_threads`)
+    `engine.tail.in_tail` of the rollout's sequences (`begin_step` sets their number). Invariants: threads are lent (the rollout runs on `threads - spot_threads`)
     only while the spot trainer runs; when the batch grows, the trainer stops itself or `stop()` is called,
     the spot trainer is paused (waiting for its micro-batch in progress) and the rollout gets every thread back."""
 
-    def __init__(self, spot: SpotTrainer, buffer: DraftBuffer, cfg: DrafterConfig, tail_batch: int,
+    def __init__(self, spot: SpotTrainer, buffer: DraftBuffer, cfg: DrafterConfig, n_seqs: int = 0,
                  threads: int | None = None):
-        self.spot, self.buffer, self.cfg, self.tail_batch = spot, buffer, cfg, tail_batch
+        self.spot, self.buffer, self.cfg, self.n_seqs = spot, buffer, cfg, n_seqs
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.lent = False
         self.rl_step = 0
 
-    def begin_step(self, rl_step: int, last_step_s: float) -> None:
+    def begin_step(self, rl_step: int, last_step_s: float, n_seqs: int | None = None) -> None:
+        """n_seqs: the coming rollout's sequences (where its tail begins); None keeps the last rollout's."""
         self.rl_step = rl_step
+        if n_seqs is not None:
+            self.n_seqs = n_seqs
         self.spot.begin_step(rl_step, last_step_s)
 
     def on_engine_step(self, num_running: int, finished: list) -> None:
         """finished: Completions (prompt_token_ids, token_ids, hidden_states [prompt + output - 1, H] or None)."""
         self.buffer.add_completions(finished, self.rl_step)
-        tail = 0 < num_running <= self.tail_batch
+        tail = in_tail(num_running, self.n_seqs)
         if tail and not self.spot.running and not self.lent and self.spot.resume():
             torch.set_num_threads(max(self.threads - self.cfg.spot_threads, 1))
             self.lent = True

@@ -15,8 +15,6 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     kv_watermark: float = 0.01  # share of KV blocks admission leaves free (running sequences grow into it)
     seed: int = 0
-    tail_batch: int = 4  # the long tail (for stats): at most max(tail_batch, tail_frac x requests) sequences running
-    tail_frac: float = 0.3
     capture_hidden: bool = False  # keep the target's last hidden states per token (drafter training data)
     cuda_graphs: bool = True  # replay decode/verify passes from CUDA graphs per bucket (only where the model is on CUDA)
     cuda_graph_mem_gb: float = 4.0  # device memory the graphs may take; buckets captured past it run eagerly

@@ -228,7 +228,7 @@ class Engine:
         return StepOutput([s.to_completion() for s in finished], record)
 
     def collector(self, ids: list[int]) -> Collector:
-        return Collector(ids, max(self.config.tail_batch, int(self.config.tail_frac * len(ids))))
+        return Collector(ids)
 
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> Completions:

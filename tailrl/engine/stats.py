@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from ..speculative.selector import batch_bucket
+from .tail import tail_size
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class GenerateStats:
     choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
     by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
     plain_est_s: float = 0.0
-    tail_batch: int = 4  # decode tokens and seconds while at most this many sequences run (the long tail)
+    tail_size: int = 0  # decode tokens and seconds while at most this many sequences run (the long tail, tail.py)
     tail_tokens: int = 0
     tail_s: float = 0.0
     stale: dict[str, float] = field(default_factory=dict)  # drafter -> 1.0 if its acceptance collapsed (watchdog)
@@ -88,7 +89,7 @@ class GenerateStats:
         cell = self.by_bucket.setdefault(batch_bucket(B), [0, 0.0])
         cell[0] += r.emitted
         cell[1] += s
-        if B <= self.tail_batch:
+        if B <= self.tail_size:  # tail.in_tail, with N folded into tail_size (records may be merged across workers)
             self.tail_tokens += r.emitted
             self.tail_s += s
         counts = self.choices.setdefault(batch_bucket(B), {})
@@ -104,7 +105,7 @@ class GenerateStats:
         """Adds other's counts into self (in place) and returns self."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("peak_kv_bytes", "tail_batch", "peak_running"):
+            if f.name in ("peak_kv_bytes", "tail_size", "peak_running"):
                 setattr(self, f.name, max(a, b))
             elif f.name == "stale":
                 a.update({k: max(a.get(k, 0.0), v) for k, v in b.items()})
@@ -188,9 +189,9 @@ class Collector:
     """Gathers the completions and statistics of a set of requests from the steps that run them (the loop a
     caller driving `Engine.step()` writes is: while has_work: collector.add(engine.step()))."""
 
-    def __init__(self, ids: list[int], tail_batch: int):
+    def __init__(self, ids: list[int]):
         self.ids = ids
-        self.stats = GenerateStats(tail_batch=tail_batch)
+        self.stats = GenerateStats(tail_size=tail_size(len(ids)))
         self.done: dict = {}
         self.t0 = time.perf_counter()
 

@@ -17,8 +17,8 @@ from ...drafter.eagle import EagleDrafter, load_drafter
 from ...drafter.propose import LearnedDrafter
 from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ...engine import Engine, EngineConfig, SamplingParams
+from ...engine.tail import tail_metrics
 from .ray_cluster import cluster_rollout, make_cluster
-from .tail import tail_metrics
 from .weights import push_weights
 
 
@@ -50,8 +50,7 @@ class Rollout:
         self.head, self.drafter_trainer, self.spot = build_drafter(cfg, engine_model)
         self.lender = None
         if self.spot is not None:
-            tail = max(cfg.drafter.spot_batch, int(cfg.drafter.spot_frac * r.n * cfg.trainer.prompts_per_step))
-            self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter, tail)
+            self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter)
         self.engine = Engine(engine_model, tokenizer, EngineConfig(
             kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec,
             cuda_graphs=r.cuda_graphs, batch_invariant=r.batch_invariant,
@@ -85,7 +84,7 @@ class Rollout:
             return comps
         if self.spot is not None:
             self.drafter_trainer.model.sync_head()
-            self.lender.begin_step(step, last_step_s)
+            self.lender.begin_step(step, last_step_s, n_seqs=r.n * len(examples))
         col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
         self.engine.last_stats, records = col.stats, []  # the records: the rollout's tail metrics (tail.py)
         try:

@@ -1,23 +1,26 @@
-"""The rollout's long tail, measured from its step records: how much of the rollout's time a few sequences hold,
-and what speculation bought there and in the body, separately (Seer and TLT report them this way).
+"""The rollout's long tail: ONE definition, used by every tail metric and by the spot trainer's lender.
 
-Definitions (pure functions of the engine's `StepRecord`s, in step order, and the rollout's sequence count N):
+**A step is in the tail when at most a quarter of the rollout's sequences run in it** (`in_tail`: 0 < running and
+4 * running <= N; N = the rollout's sequences, prompts x samples). The last quarter is where a rollout's time goes
+to a few long responses (RhymeRL, Seer and TLT report the tail this way), where a batch is too small to fill the
+machine, and so where speculation and the spot trainer (TLT: the drafter trains on the idle capacity) pay.
+Metrics from it: `rollout/tail_share`, `rollout/tail_s`, `rollout/body_s`, `spec/tail_speedup_est`,
+`spec/body_speedup_est` (below, from the step records) and `spec/tail_tokens_per_s` (engine/stats.py); the lender
+(drafter/train.py: SpotLender) lends threads exactly while `in_tail` holds.
+
+The split of a rollout's time, from its step records (pure functions of the engine's `StepRecord`s, in step order):
 - a step's **running** count is its decode batch (the sequences in the pass); a prefill step counts the batch of the
   decode step that follows it (the sequences it admitted run from then on). A rollout admits all its sequences at
   once unless the KV cache is short; sequences waiting for room (or preempted, to be recomputed) are not counted.
-- the **tail** is the steps with at most a quarter of the sequences running (4 * running <= N), the **body** the
-  rest. `rollout/tail_share` = tail seconds / all seconds, both measured (`StepRecord.total_s`: the engine's time for
+- `rollout/tail_share` = tail seconds / all seconds, both measured (`StepRecord.total_s`: the engine's time for
   the step, drafting and the speculator's feedback included, one-time CUDA-graph capture excluded).
 - **SD-off estimate** of a step: `StepRecord.plain_est_s` for a decode step that has one. The speculator fills it in
   from the selector's cost model: the step's emitted tokens / B plain decode steps, each priced at the fitted
-  plain-step cost of the step's batch-size bucket at the step's contexts (`speculative/step_cost.py`: c * B + u * the key
-  chunks a plain pass over those sequences reads, fitted on this process's own steps at that batch size, with a
-  prior until verify steps separate a row's price). It is the same estimator as
-  `spec/speedup_est`. Prefill steps, and every step of a run without a speculator (SD off), count at their measured
-  time, so SD off gives speedups of exactly 1.
+  plain-step cost of the step's batch-size bucket at the step's contexts (`speculative/step_cost.py`), the same
+  estimator as `spec/speedup_est`. Prefill steps, and every step of a run without a speculator (SD off), count at
+  their measured time, so SD off gives speedups of exactly 1.
 - `spec/tail_speedup_est` = SD-off estimate / measured seconds over the tail's steps; `spec/body_speedup_est` the same
   over the body's. Both are 1.0 where the part has no time (no tail: every sequence ran to the end together).
-
 It assumes the same running counts step by step with SD off, which holds where SD changes speed only (the same
 tokens: batch-invariant decoding); `benchmarks/e2e.py` measures SD on against SD off for the whole rollout."""
 
@@ -26,6 +29,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAIL_FRACTION = 0.25  # the tail: at most this share of the rollout's sequences still running
+
+
+def tail_size(n_seqs: int) -> int:
+    """The most sequences running in a tail step of a rollout of n_seqs sequences (0: too few to have a tail)."""
+    return int(TAIL_FRACTION * n_seqs)
+
+
+def in_tail(running: int, n_seqs: int) -> bool:
+    """Whether a step with `running` sequences in it is in the long tail of a rollout of n_seqs sequences."""
+    return 0 < running <= tail_size(n_seqs)
 
 
 @dataclass
@@ -77,7 +90,7 @@ def off_estimate(record) -> float:
     return record.plain_est_s if record.kind == "decode" and record.plain_est_s > 0 else record.total_s
 
 
-def split_tail(records: list, n_seqs: int, fraction: float = TAIL_FRACTION) -> TailSplit:
+def split_tail(records: list, n_seqs: int) -> TailSplit:
     """The rollout's body/tail split (see the module docstring). n_seqs: the rollout's sequences (N >= 1)."""
     if n_seqs < 1:
         raise ValueError(f"a rollout has at least one sequence (got n_seqs={n_seqs})")
@@ -87,7 +100,7 @@ def split_tail(records: list, n_seqs: int, fraction: float = TAIL_FRACTION) -> T
         if r.kind not in ("decode", "prefill"):
             continue
         t, t_off = r.total_s, off_estimate(r)
-        if running <= fraction * n_seqs:
+        if in_tail(running, n_seqs):
             out.tail_s += t
             out.tail_off_s += t_off
         else:
