@@ -68,8 +68,13 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: RunConsole, stop: StopO
         with stop.critical():
             writer.log(0, m)
         view.eval(0, m)
+    stale: dict[str, int] = {}  # drafter -> rollouts in which its acceptance collapsed (after a weight sync)
     while trainer.step < cfg.trainer.steps:
         metrics = trainer.train_step()
+        for k, v in metrics.items():
+            if k.startswith("spec/stale/") and v:
+                name = k.removeprefix("spec/stale/")
+                stale[name] = stale.get(name, 0) + 1
         with stop.critical():
             writer.log(trainer.step, metrics)
             writer.log_samples(trainer.samples)
@@ -81,3 +86,6 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: RunConsole, stop: StopO
             with stop.critical():
                 trainer.save(final=last)
             log.info("checkpoint at step %d (%.1fs)", trainer.step, time.perf_counter() - t)
+    if stale:  # the normal cost of a moving policy, summed once per run: spec/stale/<drafter> has it per step
+        log.info("drafters re-measured after their acceptance fell (weight syncs): %s",
+                 ", ".join(f"{d} in {n} of {trainer.step} steps" for d, n in sorted(stale.items())))

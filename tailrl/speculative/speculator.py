@@ -99,12 +99,14 @@ class Speculator:
         regime = f"{source}@T{round(sum(temps) / len(temps), 1)}"
         stale = self.watchdog.observe(drafter, regime, accepted, drafted)
         if stale is not None:
+            # expected after a weight sync (the policy moved, the drafter's history did not): the watchdog doing its
+            # job is counted (spec/stale/<drafter>, one run summary line: rl/run.py), never a WARNING per step
             if self.drafters[drafter].policy_bound:
-                log.warning("drafter %s went stale: acceptance %.2f -> %.2f of drafted tokens (after a weight sync?); "
-                            "reported as spec/stale/%s, the selector re-measures it", drafter, *stale, drafter)
+                log.info("drafter %s went stale: acceptance %.2f -> %.2f of drafted tokens (after a weight sync?); "
+                         "reported as spec/stale/%s, the selector re-measures it", drafter, *stale, drafter)
             else:  # its drafts come from the text itself: the policy now writes text it matches less
-                log.info("drafter %s: acceptance %.2f -> %.2f of drafted tokens (the policy's outputs changed); "
-                         "the selector re-measures it", drafter, *stale)
+                log.debug("drafter %s: acceptance %.2f -> %.2f of drafted tokens (the policy's outputs changed); "
+                          "the selector re-measures it", drafter, *stale)
             self.selector.forget(drafter)
 
     # ---- drafting -------------------------------------------------------------------------------------------
