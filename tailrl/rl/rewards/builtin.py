@@ -68,7 +68,7 @@ def math_reward(completion: str, answer: str, **_) -> float:
 
 def math_strict_reward(completion: str, answer: str, **_) -> float:
     """`math`, and `####` written once: with room for 1,024 tokens a policy paid by `math` learned to enumerate
-    '#### k = k' lines until the last one matched (responses doubled each epoch; README "Long responses")."""
+    '#### k = k' lines until the last one matched (responses doubled each epoch; docs/long-responses.md)."""
     return math_reward(completion, answer) if completion.count("####") == 1 else 0.0
 
 
