@@ -1,7 +1,10 @@
 """Helpers shared by the tests (plain functions and constants; fixtures live in conftest.py)."""
 
 import itertools
+import logging
+import re
 
+import pytest
 import torch
 
 from tailrl.drafter.buffer import DraftBuffer
@@ -59,3 +62,23 @@ def tiny_draft_buffer(model, steps=(0, 1)) -> DraftBuffer:
         params = SamplingParams(n=4, max_tokens=12, seed=step, ignore_eos=True)
         buffer.add_completions(eng.generate([[1, 2, 3], [4, 5, 6, 7]], params), step)
     return buffer
+
+
+def assert_falls_back(model, tok, verdict) -> None:
+    """Where the start-up probe found the invariant passes broken on this machine's kernels (engine/probe.py):
+    `batch_invariant=true` refuses to start with an error naming the property, and `auto` warns once, naming it,
+    and runs the plain passes (the trainer then logs rollout/batch_invariant = 0)."""
+    name = verdict.failed[0]
+    with pytest.raises(RuntimeError, match=re.escape(name)):
+        Engine(model, tok, EngineConfig(kv_cache_gb=0.2, batch_invariant=True))
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("tailrl.engine.probe")
+    log.addHandler(handler)
+    try:
+        eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2))
+    finally:
+        log.removeHandler(handler)
+    assert [r.levelno for r in records if name in r.getMessage()] == [logging.WARNING]
+    assert not eng.runner.invariant and eng.invariance is verdict

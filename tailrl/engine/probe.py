@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.chunked import CHUNK, FOLD, QUERY_BLOCK, ROW_TILE, kernel, tiled_linear
+from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE, kernel, kernel_split, tiled_linear
 from ..model.llama import CausalLM
 from ..model.step import make_step
 from .kv_cache import KVCache
+from .probe_data import PAIRED, cancelling_keys, cancelling_product
 from .sampler import warped_logprobs
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,11 @@ def probe_invariance(model: CausalLM) -> ProbeResult:
     if key not in _CACHE:
         t = time.perf_counter()
         with torch.inference_mode():
-            calls = _call_rows(model)
+            products = _products(model)
+            calls = _call_rows(products)
             ProbeResult(True, call_rows=calls).apply(model)
-            failed = _linear_rows(model) + _attention_items(model) + _sampler_rows(model.device)
+            failed = _linear_rows(products) + _attention_items(model) + _sampler_rows(model.device)
+            del products
             if not failed:  # the end-to-end check would only restate a failure found above
                 failed = _end_to_end(model)
         _CACHE[key] = ProbeResult(not failed, failed, time.perf_counter() - t, calls)
@@ -69,92 +72,115 @@ def probe_invariance(model: CausalLM) -> ProbeResult:
 CALL_MAX = 256  # the largest product call checked (the LM head's: 64)
 
 
-def _call_rows(model: CausalLM) -> dict:
-    """Per distinct weight shape, the largest call (a whole number of tiles, up to CALL_MAX rows) such that in a call
-    of every size up to it, every tile's product has the bits of the tile's own call. Measured on an Intel CPU with
-    AMX (oneDNN, torch 2.11): a product of 1,536 inner columns held up to 144 rows and one of 4,864 up to 16-32;
-    on an AMD Zen 4 every shape held at every size checked."""
+class _Product:
+    """A layer's product with the probe's weight (engine/probe_data.py): the layer's shape, dtype, bias and calls."""
+
+    def __init__(self, mod: torch.nn.Linear, weight: torch.Tensor):
+        self.weight, self.call_rows = weight, getattr(mod, "call_rows", 0)
+        self.bias = None if mod.bias is None else torch.zeros_like(mod.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _products(model: CausalLM) -> list:
+    """(name, layer, its probe product, x [CALL_MAX rows, K]; the LM head's 96) per distinct weight shape, on
+    cancelling data: what `_call_rows` and `_linear_rows` check."""
     g = torch.Generator(device="cpu").manual_seed(4)
+    out, seen = [], set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight.shape not in seen:
+            seen.add(mod.weight.shape)
+            x, w = cancelling_product(mod.weight.detach(), CALL_MAX if mod.out_features <= 8192 else 96, g)
+            out.append((name, mod, _Product(mod, w), x))
+    return out
+
+
+def _call_rows(products: list) -> dict:
+    """Per distinct weight shape, the largest call (a whole number of tiles, up to CALL_MAX rows; the LM head's up to
+    64) such that in a call of every size up to it, every tile's product has the bits of the tile's own call, on
+    cancelling data (engine/probe_data.py: on random data another order of summation hides). Measured with random
+    data: on an Intel CPU with AMX (torch 2.11) a product of 1,536 inner columns held up to 144 rows; on an Emerald
+    Rapids with torch 2.13, 32-80 rows by shape, while the passes still rounded otherwise (issue 45)."""
     calls = {}
-    for mod in model.modules():
-        shape = tuple(mod.weight.shape) if isinstance(mod, torch.nn.Linear) else None
-        if shape is None or shape in calls:
-            continue
+    for _, mod, prod, x in products:
         top = CALL_MAX if mod.out_features <= 8192 else 4 * ROW_TILE  # the LM head: costly, and few rows a pass
-        x = torch.randn(top, mod.in_features, generator=g).to(model.device, model.dtype)
-        tiles = [mod(x[i : i + ROW_TILE]) for i in range(0, top, ROW_TILE)]
+        tiles = [prod(x[i : i + ROW_TILE]) for i in range(0, top, ROW_TILE)]
         ok = ROW_TILE
         for m in range(2 * ROW_TILE, top + 1, ROW_TILE):
-            y = mod(x[:m])
+            y = prod(x[:m])
             if not all(torch.equal(y[j * ROW_TILE : (j + 1) * ROW_TILE], t) for j, t in enumerate(tiles[: m // ROW_TILE])):
                 break
             ok = m
-        calls[shape] = ok
+        calls[tuple(mod.weight.shape)] = ok
     return calls
 
 
-def _linear_rows(model: CausalLM) -> list[str]:
-    """Each distinct weight shape: a row's product is the same in a tile of its own, among other rows, at another
-    place in its tile, and in a pass of several tiles (in the calls `_call_rows` chose)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    seen, failed = set(), []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or mod.weight.shape in seen:
-            continue
-        seen.add(mod.weight.shape)
-        x = torch.randn(5 * ROW_TILE + 3, mod.in_features, generator=g).to(model.device, model.dtype)
-        ref = tiled_linear(mod, x[:1], ROW_TILE)
-        passes = {"alone in its tile": ref, "among other rows": tiled_linear(mod, x, ROW_TILE)[:1],
-                  "at the end of its tile": tiled_linear(mod, torch.cat([x[1:ROW_TILE], x[:1]]), ROW_TILE)[-1:],
-                  "in a pass of 6 tiles": tiled_linear(mod, torch.cat([x[1:], x[:1]]), ROW_TILE)[-1:]}
+def _linear_rows(products: list) -> list[str]:
+    """Each distinct weight shape: a row's product is the same in a tile of its own, among other rows, at every other
+    place in its tile, and in a pass of several tiles (in the calls `_call_rows` chose), on cancelling data."""
+    failed = []
+    for name, mod, prod, x in products:
+        prod.call_rows = getattr(mod, "call_rows", 0)
+        x = x[: 5 * ROW_TILE + 3]
+        ref = tiled_linear(prod, x[:1], ROW_TILE)
+        tile = tiled_linear(prod, x[:ROW_TILE], ROW_TILE)
+        passes = {"alone in its tile": ref, "among other rows": tile[:1],
+                  "at the end of its tile": tiled_linear(prod, torch.cat([x[1:ROW_TILE], x[:1]]), ROW_TILE)[-1:],
+                  "in a pass of 6 tiles": tiled_linear(prod, torch.cat([x[1:], x[:1]]), ROW_TILE)[-1:]}
+        # every row of a tile at another place, beside other neighbours: the tile reversed and rolled
+        flips = {"at another place in its tile (reversed)": tiled_linear(prod, x[:ROW_TILE].flip(0), ROW_TILE).flip(0),
+                 "at another place in its tile (rolled)": tiled_linear(prod, x[:ROW_TILE].roll(5, 0), ROW_TILE).roll(-5, 0)}
         if mod.out_features <= 8192:  # a layer's products (not the LM head: costly) also at a verify pass's 17 tiles
             wide = torch.cat([x[1:], x[1:], x[1:], x[1:26], x[:1]])  # 272 rows
-            passes["in a pass of 17 tiles"] = tiled_linear(mod, wide, ROW_TILE)[-1:]
-        for where, y in passes.items():
-            if not torch.equal(y, ref):
-                failed.append(f"linear {mod.in_features}->{mod.out_features} ({name}): a row's product differs "
-                              f"{where}")
-                break
+            passes["in a pass of 17 tiles"] = tiled_linear(prod, wide, ROW_TILE)[-1:]
+        bad = [w for w, y in passes.items() if not torch.equal(y, ref)]
+        bad += [w for w, y in flips.items() if not torch.equal(y, tile)]
+        if bad:
+            failed.append(f"linear {mod.in_features}->{mod.out_features} ({name}): a row's product differs {bad[0]}")
     return failed
 
 
 def _attention_items(model: CausalLM) -> list[str]:
-    """A kernel item (QUERY_BLOCK query tokens x CHUNK keys) gives the same bits in a call of 1 or many items, with
-    other query rows beside it, at another row of its block, and as one block of an item of 2..FOLD blocks (the
-    blocks of one sequence that read the same chunk share an item, model/chunked.py)."""
+    """A kernel item (QUERY_BLOCK query tokens of `heads` query heads x CHUNK keys, model/chunked.py `kernel_split`)
+    gives the same bits in a call of 1 or many items, with other query rows beside it, at another row of its block,
+    and as each block of an item of 2..fold blocks (the blocks of one sequence that read the same chunk share an
+    item), on cancelling keys (engine/probe_data.py) that rows see in whole groups."""
     c = model.config
     group, kvh, D = c.num_attention_heads // c.num_key_value_heads, c.num_key_value_heads, c.head_dim
-    R, n = group * QUERY_BLOCK, 9
+    heads, fold = kernel_split(group)
+    H, R, n = kvh * group // heads, heads * QUERY_BLOCK, 9  # kernel heads (each reads its K/V head), rows a block
     g = torch.Generator(device="cpu").manual_seed(1)
+    dev, dt = model.device, model.dtype
+    q = torch.randn(n, H, fold * R, D, generator=g).to(dev, dt)
+    k, v = (t.to(dev, dt) for t in cancelling_keys(n, kvh, D, g))
+    where = f"attention item ({R} rows x {CHUNK} keys)"
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(model.device, model.dtype)
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
-    q, k, v = rand(n, kvh, R, D), rand(n, kvh, CHUNK, D), rand(n, kvh, CHUNK, D)
-    mask = torch.zeros(n, 1, R, CHUNK, dtype=torch.bool, device=model.device)
-    mask[..., : CHUNK // 2 + 7] = True
-    ref, ref_lse = kernel(q[:1], k[:1], v[:1], mask[:1])
-    checks = {"in a call of many items": kernel(q, k, v, mask)}
-    other = q.clone()
-    other[:, :, 1:] = rand(n, kvh, R - 1, D)
-    checks["beside other query rows"] = kernel(other, k, v, mask)
-    for where, (o, lse) in checks.items():
-        if not (torch.equal(o[:1, :, :1], ref[:, :, :1]) and torch.equal(lse[:1, :, :1], ref_lse[:, :, :1])):
-            return [f"attention item ({R} rows x {CHUNK} keys): a row differs {where}"]
-    moved = q[:1].roll(1, 2)  # row 0 now sits at row 1 of its block
-    o, _ = kernel(moved, k[:1], v[:1], mask[:1])
-    if not torch.equal(o[:, :, 1:2], ref[:, :, :1]):
-        return [f"attention item ({R} rows x {CHUNK} keys): a row differs at another place in its block"]
-    qf = rand(n, kvh, FOLD * R, D)
-    mf = torch.arange(CHUNK, device=model.device) < torch.randint(1, CHUNK, (n, 1, FOLD * R, 1), generator=g).to(
-        model.device)  # every row sees its own prefix of the chunk, as causal rows do
-    for m in range(2, FOLD + 1):
-        o, lse = kernel(qf[:, :, : m * R], k, v, mf[:, :, : m * R])
-        for b in (0, m - 1):
-            rows = slice(b * R, (b + 1) * R)
-            o1, lse1 = kernel(qf[:, :, rows], k, v, mf[:, :, rows])
-            if not (torch.equal(o[:, :, rows], o1) and torch.equal(lse[:, :, rows], lse1)):
-                return [f"attention item ({R} rows x {CHUNK} keys): a block's rows differ in an item of {m} blocks"]
+    def run(qq, mask):
+        return kernel(qq, k[: qq.shape[0]], v[: qq.shape[0]], mask)
+
+    mask = torch.zeros(n, 1, R, CHUNK, dtype=torch.bool, device=dev)
+    mask[..., : CHUNK // 2 + PAIRED] = True
+    ref = run(q[:1, :, :R], mask[:1])
+    many = run(q[:, :, :R], mask)
+    if not same((many[0][:1], many[1][:1]), ref):
+        return [f"{where}: a row differs in a call of many items"]
+    other = q[:1, :, :R].clone()
+    other[:, :, 1:] = torch.randn(1, H, R - 1, D, generator=g).to(dev, dt)
+    if not torch.equal(run(other, mask[:1])[0][:, :, :1], ref[0][:, :, :1]):
+        return [f"{where}: a row differs beside other query rows"]
+    if not torch.equal(run(q[:1, :, :R].roll(1, 2), mask[:1])[0][:, :, 1:2], ref[0][:, :, :1]):
+        return [f"{where}: a row differs at another place in its block"]
+    seen = PAIRED * torch.randint(1, CHUNK // PAIRED + 1, (n, 1, fold * R, 1), generator=g).to(dev)
+    mf = torch.arange(CHUNK, device=dev) < seen  # every row sees its own prefix of the chunk, as causal rows do
+    alone = [run(q[:, :, b * R : (b + 1) * R], mf[:, :, b * R : (b + 1) * R]) for b in range(fold)]
+    for m in range(2, fold + 1):
+        o, lse = run(q[:, :, : m * R], mf[:, :, : m * R])
+        if not all(same((o[:, :, b * R : (b + 1) * R], lse[:, :, b * R : (b + 1) * R]), alone[b]) for b in range(m)):
+            return [f"{where}: a block's rows differ in an item of {m} blocks"]
     return []
 
 

@@ -13,9 +13,11 @@ depends on the pass:
 - queries go in blocks of QUERY_BLOCK tokens (the group of query heads that share a K/V head stacked): a decode
   row, a draft row and a prefill row are each one row of such a block, at the same key chunks. The blocks of one
   sequence that read the same chunk (a verify pass's 8 or 16 rows, a prefill's) are one kernel item of up to FOLD
-  blocks (group * QUERY_BLOCK * FOLD rows, below the 64 where the CPU kernel would pack): the kernel computes a
-  row the same in an item of one block or of several (the probe checks it), and a deep draft then costs one
-  larger product per chunk instead of one item per block;
+  blocks, and never of PACK_ROWS query rows or more (`kernel_split`: fewer blocks an item, and for a group of 16+
+  query heads a K/V head, the group's heads split over the kernel's head axis): from PACK_ROWS rows the CPU kernel
+  may take its AMX path, which computes with other kernels than the path a one-block item takes. The kernel
+  computes a row the same in an item of one block or of several (the probe checks it), and a deep draft then costs
+  one larger product per chunk instead of one item per block;
 - the chunks' partial results are merged per row by log-sum-exp in ascending chunk order with elementwise ops whose
   transcendental parts run through one scalar path (`_exp`, `_log1p`), so no element's bits depend on where a
   vectorised loop's tail fell. A chunk a row does not see (past its own position) is an exact no-op in the merge.
@@ -32,7 +34,13 @@ import torch
 
 CHUNK = 256  # keys per kernel item (<= the CPU flash kernel's 512-key block: one block per item)
 QUERY_BLOCK = 4  # query tokens per block (the unit of a row's attention work)
-FOLD = 5  # at most this many blocks of one sequence share a kernel item (3 query heads a K/V head: 60 rows < 64)
+FOLD = 5  # at most this many blocks of one sequence share a kernel item (fewer where the rows would reach PACK_ROWS)
+# PyTorch's CPU flash kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, cpu_flash_attention, the `need_pack`
+# block: lines 431-447 at pytorch commit 27a4844d7fb) packs K and V and computes with oneDNN brgemm instead of its
+# plain gemm when `cpublas::could_pack(bf16)` (oneDNN's effective ISA is AMX and mkldnn is enabled) and
+# `qSize >= 64 && kvSize >= 64` and a per-thread work ratio >= 4 that counts batch * heads and the thread count. Every
+# item reads CHUNK >= 64 keys, so an item's query rows decide it: items stay below this many rows.
+PACK_ROWS = 64
 ROW_TILE = 16  # matrix products of an invariant pass run on a whole number of tiles of this many rows
 UNSEEN = -1e30  # log-sum-exp of a row that sees no key of a chunk: exp(UNSEEN - x) is exactly 0 for finite x
 
@@ -127,6 +135,15 @@ def plan_chunks(cache_lens: list[int], q_lens: list[int], slots: list[int], anc:
                      torch.tensor(token_rows, dtype=torch.long, device=dev))
 
 
+def kernel_split(group: int) -> tuple[int, int]:
+    """(query heads of a K/V head's group that share a kernel item, blocks an item holds at most): an item has
+    heads * QUERY_BLOCK * blocks < PACK_ROWS query rows, whatever the model's group (SmolLM2's 3 heads: 5 blocks of
+    12 rows; Llama-3.2's 4: 3 of 16; Qwen2.5-0.5B's 7: 2 of 28; a group of 16 or more is split over the kernel's
+    head axis, which the kernel maps to the shared K/V head)."""
+    heads = max(d for d in range(1, group + 1) if group % d == 0 and d * QUERY_BLOCK < PACK_ROWS)
+    return heads, max(1, min(FOLD, (PACK_ROWS - 1) // (heads * QUERY_BLOCK)))
+
+
 def _rows_and_mask(bjc, cl, ql, starts, anc, T):
     b, j, c = bjc.unbind(1)
     t = j.view(-1, 1) * QUERY_BLOCK + torch.arange(QUERY_BLOCK, device=bjc.device)  # [n, QB] row in its sequence
@@ -181,21 +198,30 @@ def chunked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     kvh = k_pool.shape[0]
     group = H // kvh
     R = group * QUERY_BLOCK
+    heads, fold = kernel_split(group)
+    s = group // heads  # kernel heads a K/V head (1 but for groups of 16+)
     qz = torch.cat([q, q.new_zeros(1, H, D)])
     outs, lses = [], []
     for call, blk in zip(plan.calls, blocks):
         n, m = call.rows.shape[0], call.blocks
-        qi = qz[call.rows].view(n, m, QUERY_BLOCK, kvh, group, D).permute(0, 3, 1, 4, 2, 5).reshape(n, kvh, m * R, D)
+        # [n, kv head, sub-group, block, head in sub-group, token, D]: a kernel item is (n, kv head * s + sub-group)
+        qi = qz[call.rows].view(n, m, QUERY_BLOCK, kvh, s, heads, D).permute(0, 3, 4, 1, 5, 2, 6)
         # an item's chunk: its blocks gathered in order, per head [n, CHUNK, D], viewed as [n, kv_heads, CHUNK, D]
         keys, vals = (p.index_select(1, blk).view(kvh, -1, CHUNK, D).transpose(0, 1) for p in (k_pool, v_pool))
-        bias, seen = call.bias(group, q.dtype)
-        o, lse = kernel(qi, keys, vals, None, bias)
-        lse = torch.where(seen, lse, UNSEEN)
-        if m > 1:  # an item of m blocks -> m one-block items, as the merge's grid counts them
-            o = o.view(n, kvh, m, R, D).transpose(1, 2).reshape(n * m, kvh, R, D)
-            lse = lse.view(n, kvh, m, R).transpose(1, 2).reshape(n * m, kvh, R)
-        outs.append(o.float())
-        lses.append(lse)
+        bias, seen = call.bias(heads, q.dtype)
+        rows = heads * QUERY_BLOCK
+        o, lse = [], []
+        for b in range(0, m, fold):  # items of at most `fold` blocks: below PACK_ROWS query rows
+            e = min(m, b + fold)
+            ob, lb = kernel(qi[:, :, :, b:e].reshape(n, kvh * s, (e - b) * rows, D), keys, vals, None,
+                            bias[:, :, b * rows : e * rows])
+            o.append(ob.view(n, kvh, s, e - b, heads, QUERY_BLOCK, D))
+            lse.append(lb.view(n, kvh, s, e - b, heads, QUERY_BLOCK))
+        o, lse = (x[0] if len(x) == 1 else torch.cat(x, 3) for x in (o, lse))
+        lse = torch.where(seen.view(n, 1, 1, m, heads, QUERY_BLOCK), lse, UNSEEN)
+        # an item of m blocks -> m one-block items of R rows in (head in group, token) order, as the merge counts them
+        outs.append(o.permute(0, 3, 1, 2, 4, 5, 6).reshape(n * m, kvh, R, D).float())
+        lses.append(lse.permute(0, 3, 1, 2, 4, 5).reshape(n * m, kvh, R))
     outs.append(q.new_zeros(1, kvh, R, D, dtype=torch.float32))
     lses.append(torch.full((1, kvh, R), UNSEEN, device=q.device))
     O, L = torch.cat(outs), torch.cat(lses)
