@@ -195,23 +195,23 @@ def test_update_weighs_each_tokens_loss_by_the_capped_rollout_ratio(tiny):
 NOISE_FACTOR = 8  # stated, not fitted: how far another cut of an update may land, in units of the measured noise
 
 
-def assert_same_update(a, b, noise) -> None:
-    """a, b, noise: (weights, optimizer, metrics) of one update computed in three cuts; noise is a cut into
-    micro-batches of another size (the same math, another order of fp32 sums), and how far it lands from b is this
-    machine's summation noise for the update: Adam divides each gradient by its own scale, so where gradients nearly
-    cancel, noise of a few ulps moves a weight by a visible part of a step, and by how much depends on the CPU's
-    kernels. a must equal b up to NOISE_FACTOR times that noise (the weights: the largest move of any weight; Adam's
-    moments and the loss: relative to their scale), plus 4 fp32 ulps at each tensor's scale; Adam's step counts
-    exactly."""
+def assert_same_update(a, b, noise: list) -> None:
+    """a, b and each of noise: (weights, optimizer, metrics) of one update computed in other cuts; the noise runs cut
+    it into micro-batches of other sizes (the same math, other orders of fp32 sums), and the farthest they land from
+    b is this machine's summation noise for the update: Adam divides each gradient by its own scale, so where
+    gradients nearly cancel, noise of a few ulps moves a weight by a visible part of a step, and by how much depends
+    on the CPU's kernels. a must equal b up to NOISE_FACTOR times that noise (the weights: the largest move of any
+    weight; Adam's moments and the loss: relative to their scale), plus 4 fp32 ulps at each tensor's scale; Adam's
+    step counts exactly."""
     eps = torch.finfo(torch.float32).eps
-    (wa, oa, ma), (wb, ob, mb), (wn, on, mn) = a, b, noise
-    loss = [m["actor/pg_loss"] for m in (ma, mb, mn)]
-    assert abs(loss[0] - loss[1]) <= NOISE_FACTOR * abs(loss[2] - loss[1]) + 4 * eps * abs(loss[1])
-    pa, pb, pn = list(wa.named_parameters()), list(wb.parameters()), list(wn.parameters())
-    moved = max(float((n - b).detach().abs().max()) for n, b in zip(pn, pb))
+    (wa, oa, ma), (wb, ob, mb) = a, b
+    loss_noise = max(abs(m["actor/pg_loss"] - mb["actor/pg_loss"]) for _, _, m in noise)
+    assert abs(ma["actor/pg_loss"] - mb["actor/pg_loss"]) <= NOISE_FACTOR * loss_noise + 4 * eps * abs(mb["actor/pg_loss"])
+    pa, pb = list(wa.named_parameters()), list(wb.parameters())
+    moved = max(float((n - q).detach().abs().max()) for w, _, _ in noise for n, q in zip(w.parameters(), pb))
     for key in ("exp_avg", "exp_avg_sq"):
-        rel = max(float((on.state[n][key] - ob.state[b][key]).abs().max()) / (float(ob.state[b][key].abs().max()) or 1)
-                  for n, b in zip(pn, pb))
+        rel = max(float((on.state[n][key] - ob.state[q][key]).abs().max()) / (float(ob.state[q][key].abs().max()) or 1)
+                  for w, on, _ in noise for n, q in zip(w.parameters(), pb))
         for (name, p), q in zip(pa, pb):
             got, want = oa.state[p][key], ob.state[q][key]
             assert float((got - want).abs().max()) <= (NOISE_FACTOR * rel + 4 * eps) * float(want.abs().max()), \
@@ -248,7 +248,8 @@ def test_skipping_zero_advantage_sequences_gives_the_same_update(tiny):
     full, opt_f, m_f = run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "skip_zero_advantage": False}))
     assert m_s["actor/zero_adv_skipped"] == pytest.approx(7 / 12) and m_f["actor/zero_adv_skipped"] == 0
     assert m_s["perf/update_tokens_per_s"] < m_s["perf/update_batch_tokens_per_s"]
-    noise = run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "skip_zero_advantage": False, "micro_batch_size": 1}))
+    noise = [run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "skip_zero_advantage": False, "micro_batch_size": m}))
+             for m in (1, 4)]
     assert_same_update((skip, opt_s, m_s), (full, opt_f, m_f), noise)
     moved = max(float((p - q).detach().abs().max()) for p, q in zip(skip.parameters(), tiny.parameters()))
     assert moved > 1e-4  # the update did something, so the equality above is not trivial
@@ -359,7 +360,7 @@ def test_token_budget_update_equals_sequence_count_update(tiny, loss_agg):
     assert micro_batches(batch, list(range(6)), 2) != micro_batches(batch, list(range(6)), 2, tokens=120)
     seqs, opt_s, m_s = run_update(tiny, batch, adv, algo)
     toks, opt_t, m_t = run_update(tiny, batch, adv, by_tokens)
-    noise = run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "micro_batch_size": 1}))
+    noise = [run_update(tiny, batch, adv, AlgoCfg(**{**vars(algo), "micro_batch_size": m})) for m in (1, 3)]
     assert_same_update((toks, opt_t, m_t), (seqs, opt_s, m_s), noise)
     moved = max(float((p - q).detach().abs().max()) for p, q in zip(toks.parameters(), tiny.parameters()))
     assert moved > 1e-4
