@@ -1,0 +1,93 @@
+"""`tailrl audit`: is a backend's speculative decoding lossless? SD on vs off on the same prompts
+(speculative/audit.py), pass or fail with the figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
+    """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload."""
+    from .rl.data import chat_prompt
+    from .rl.tasks import make_rows
+
+    return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]
+
+
+def engine_sampler(engine):
+    """A speculative/audit.py Sampler drawing from one of our engines."""
+    from .engine import SamplingParams
+
+    def sample(prompts, temperature, n, max_tokens, seed):
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + 7919 * i)
+                  for i in range(len(prompts))]
+        out = [[] for _ in prompts]
+        for c in engine.generate(prompts, params):
+            out[c.prompt_index].append(c.token_ids)
+        return out
+
+    return sample
+
+
+def tailrl_arms(model, tokenizer, spec_mode: str, seed: int = 0, **spec_args):
+    """(off, on, encode): our engine without and with speculation of the given mode."""
+    from .drafter.compose import make_speculator
+    from .engine import Engine, EngineConfig
+    from .speculative.config import SpecConfig
+
+    spec = SpecConfig(mode=spec_mode, seed=seed, **spec_args)
+    off = Engine(model, tokenizer, EngineConfig(seed=seed, kv_cache_gb=1.0))
+    on = Engine(model, tokenizer, EngineConfig(seed=seed, kv_cache_gb=1.0, spec=spec), make_speculator(spec))
+    return engine_sampler(off), engine_sampler(on), off.encode
+
+
+def cmd_audit(args) -> int:
+    from .speculative.audit import AuditConfig, audit
+
+    try:
+        cfg = AuditConfig(temperatures=tuple(args.temperatures), n=args.n, max_tokens=args.max_tokens,
+                          positions=args.positions, alpha=args.alpha, seed=args.seed)
+        if args.backend == "tailrl":
+            from .model import load_model
+
+            if args.spec not in ("auto", "history", "ngram"):
+                raise ValueError(f"--spec {args.spec} is not a speculation of backend tailrl (auto, history, ngram)")
+            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+            off, on, encode = tailrl_arms(model, tokenizer, args.spec, args.seed)
+            version = "tailrl"
+        else:
+            from .rl.rollout.vllm_audit import vllm_arms
+
+            off, on, encode, version = vllm_arms(args.model, args.spec, args.dtype, args.seed)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = audit_prompts(encode, args.prompts, args.seed)
+    res = audit(off, on, prompts, cfg, label=f"{version} {args.spec}")
+    print(res.table())
+    print(f"{'PASS' if res.passed else 'FAIL'}: every p-value must be >= {res.threshold:.2g} "
+          f"(false-alarm rate <= {cfg.alpha:g} for a lossless engine); {res.figures()}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res.to_dict(), f, indent=1)
+    return 0 if res.passed else 1
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("audit", help="is a backend's speculative decoding lossless? (SD on vs off, chi-square + KS)")
+    a.add_argument("--backend", default="tailrl", choices=["tailrl", "vllm"])
+    a.add_argument("--spec", default="auto",
+                   help="the speculation to audit: tailrl: auto | history | ngram; vllm: ngram | suffix | tailrl (ours)")
+    a.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder or .gguf file")
+    a.add_argument("--prompts", type=int, default=4, help="arithmetic prompts (levels 2-3, chat template)")
+    a.add_argument("--n", type=int, default=64, help="responses per prompt, per arm and temperature")
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    a.add_argument("--positions", type=int, default=4, help="chi-square on the tokens at the first K positions")
+    a.add_argument("--alpha", type=float, default=0.01, help="false-alarm rate of the audit for a lossless engine")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--device", default=None)
+    a.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    a.add_argument("--out", help="write the result as JSON here")
+    a.set_defaults(func=cmd_audit)
