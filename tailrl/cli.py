@@ -1,4 +1,4 @@
-"""tailrl command line: train | eval | generate | report | data | config | drafter."""
+"""tailrl command line: train | eval | generate | report | data | config | drafter | audit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import cli_drafter, cli_eval, cli_generate
+from . import cli_audit, cli_drafter, cli_eval, cli_generate
 from .config_help import groups_help
 from .presets import preset_names
 
@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--preset", default="", help=f"a built-in run: {PRESETS}")
     cs.set_defaults(func=cmd_config_show)
     cli_drafter.add_parser(sub)
+    cli_audit.add_parser(sub)
     return parser
 
 

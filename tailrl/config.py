@@ -73,6 +73,14 @@ class RolloutCfg:
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
     workers: int = 1  # 1: the in-process engine; N > 1: N Ray rollout workers (see the cluster section)
     worker_threads: int = 1  # CPU threads per rollout worker (a worker takes one GPU where there are GPUs)
+    # the engine that samples: tailrl (ours, the CPU engine and bit-exact reference) or vllm (a vllm.LLM from the
+    # policy's HF folder; install: docs/vllm.md)
+    backend: str = "tailrl"
+    # backend=vllm: the speculation inside vLLM: auto (ours, `custom_class` history proposer, if vLLM's SD passes
+    # the losslessness audit, else plain decoding with a warning) | tailrl (ours, refused if the audit fails) |
+    # ngram | suffix (vLLM's own, refused if the audit fails) | off
+    vllm_spec: str = "auto"
+    vllm_spec_tokens: int = 8  # backend=vllm: draft tokens per step at most (num_speculative_tokens)
 
 
 @dataclass

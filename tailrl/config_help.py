@@ -65,6 +65,8 @@ CHOICES = {
     "model.train_compute": ("auto", "float32", "autocast", "bfloat16"),
     "rollout.spec.mode": MODES,
     "rollout.spec.das": ("share", "extend"),
+    "rollout.backend": ("tailrl", "vllm"),
+    "rollout.vllm_spec": ("auto", "tailrl", "ngram", "suffix", "off"),
     "algo.advantage": ("grpo", "dr_grpo"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algo.kl_type": ("k1", "k3"),

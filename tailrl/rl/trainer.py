@@ -27,7 +27,7 @@ from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
-from .rollout.engine import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
+from .rollout.engine import Rollout, make_rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
 from .rewards.verl import adopt_verl, warn_unknown_sources
@@ -64,7 +64,7 @@ class Trainer:
         self.actor, engine_model, self.tokenizer = make_actor(cfg, rollout_dtype)
         self._check_context(engine_model.config.max_position_embeddings)
         self.samples: list[dict] = []  # rows for samples.jsonl from the last step (first, middle and last steps)
-        self.rollout_role = Rollout(cfg, engine_model, self.tokenizer)
+        self.rollout_role = make_rollout(cfg, engine_model, self.tokenizer)
         self.last_step_s = 0.0
         self.notes = adopt_verl(cfg.data, cfg.reward, peek_rows(cfg.data.train_file))  # [] unless verl's format
         self.train_set, self.eval_set = load_datasets(cfg.data)

@@ -145,18 +145,26 @@ def compare(off: list[list[list[int]]], on: list[list[list[int]]], temperature: 
                     float(ks.statistic), float(ks.pvalue), sum(la) / len(la), sum(lb) / len(lb))
 
 
+def draw(sample: Sampler, prompts: list[list[int]], cfg: AuditConfig, arm: int) -> list:
+    """One arm's responses at every temperature (arm 0: SD off, 1: SD on; the arms' seeds differ, so that an engine
+    whose SD emits the very tokens of its plain decoding is tested like any other and the false-alarm rate stays
+    alpha). An engine can then be built, drawn from and freed one arm at a time."""
+    if not prompts:
+        raise ValueError("audit needs at least one prompt")
+    return [sample(prompts, t, cfg.n, cfg.max_tokens, cfg.seed + 2 * i + arm * 1_000_003)
+            for i, t in enumerate(cfg.temperatures)]
+
+
+def judge(off: list, on: list, cfg: AuditConfig, label: str = "") -> AuditResult:
+    """Pass or fail from both arms' draws (`draw`)."""
+    rows = [compare(a, b, t, cfg) for a, b, t in zip(off, on, cfg.temperatures)]
+    threshold = cfg.alpha / cfg.num_tests
+    return AuditResult(all(r.min_p >= threshold for r in rows), threshold, rows, asdict(cfg), label)
+
+
 def audit(off: Sampler, on: Sampler, prompts: list[list[int]], cfg: AuditConfig | None = None,
           label: str = "") -> AuditResult:
     """Samples `prompts` with plain decoding (`off`) and with SD (`on`) at each temperature and tests that both
-    arms draw from one distribution. The arms get different seeds, so that an engine whose SD emits the very
-    tokens of its plain decoding is tested like any other (the false-alarm rate stays alpha)."""
+    arms draw from one distribution."""
     cfg = cfg or AuditConfig()
-    if not prompts:
-        raise ValueError("audit needs at least one prompt")
-    rows = []
-    for i, t in enumerate(cfg.temperatures):
-        a = off(prompts, t, cfg.n, cfg.max_tokens, cfg.seed + 2 * i)
-        b = on(prompts, t, cfg.n, cfg.max_tokens, cfg.seed + 2 * i + 1_000_003)
-        rows.append(compare(a, b, t, cfg))
-    threshold = cfg.alpha / cfg.num_tests
-    return AuditResult(all(r.min_p >= threshold for r in rows), threshold, rows, asdict(cfg), label)
+    return judge(draw(off, prompts, cfg, 0), draw(on, prompts, cfg, 1), cfg, label)

@@ -70,6 +70,8 @@ class Actor:
     def sync_to(self, rollout) -> int:
         """The new weights into the rollout's in-process engine; returns the bytes moved (0 when the engine's
         model is the policy or its bf16 compute copy)."""
+        if rollout.streams_policy:  # vLLM: the weights go by name into its own copy
+            return rollout.load_policy(self.policy)
         if rollout.engine.model is self.policy or rollout.engine.model is self.prec.model:
             return 0
         rollout.load_policy(self.policy)

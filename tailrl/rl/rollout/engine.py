@@ -43,7 +43,19 @@ def build_drafter(cfg: Config, target):
     return head, trainer, spot
 
 
+def make_rollout(cfg: Config, engine_model: torch.nn.Module, tokenizer):
+    """The rollout of rollout.backend: ours (Rollout) or vLLM's (vllm_rollout.VllmRollout, imported only then)."""
+    if cfg.rollout.backend == "vllm":
+        from .vllm_rollout import VllmRollout
+
+        return VllmRollout(cfg, engine_model, tokenizer)
+    return Rollout(cfg, engine_model, tokenizer)
+
+
 class Rollout:
+    version = "tailrl engine"
+    streams_policy = False  # at world size 1 the engine runs the policy or its compute copy: nothing to send
+
     def __init__(self, cfg: Config, engine_model: torch.nn.Module, tokenizer):
         self.cfg = cfg
         r = cfg.rollout

