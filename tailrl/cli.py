@@ -43,7 +43,7 @@ def cmd_train(args) -> int:
         print(f"\nstopped by {e} after step {e.step if e.step is not None else 0}; latest checkpoint: {where}\n"
               f"resume with: {shlex.join(cmd)}", file=sys.stderr)
         return e.exit_code
-    except (ValueError, OSError, RunDirError, CheckpointError, RunStalledError, RewardError) as e:
+    except (ValueError, OSError, ImportError, RunDirError, CheckpointError, RunStalledError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if "jsonl" in cfg.trainer.loggers:  # the summary and the report are made from metrics.jsonl

@@ -203,6 +203,7 @@ class Config:
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
             (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
+            (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
         ]
         for ok, key, what in checks:
             if not ok:

@@ -52,6 +52,7 @@ def test_suggestions_are_valid_keys_and_nothing_close_says_where_to_look():
     ("model.dtype=bf16", "model.dtype", "auto, float32, bfloat16, float16 (did you mean bfloat16?)"),
     ("rollout.spec.mode=histroy", "rollout.spec.mode", "off, auto, history, ngram, learned"),
     ("cluster.placement=random", "cluster.placement", "histopipe, static"),
+    ("rollout.backend=vlm", "rollout.backend", "tailrl, vllm (did you mean vllm?)"),
 ])
 def test_an_unknown_choice_lists_the_choices(override, key, choices):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,70 @@
+"""The losslessness audit's table for vLLM: plain decoding drawn once, then each speculative method against it
+(speculative/audit.py; one LLM at a time). Run in a venv with vLLM (scripts/setup.sh --vllm):
+
+    python benchmarks/vllm_audit.py --methods ngram suffix tailrl [--model smollm2-135m] [--dtype float32]
+
+Each method's audit has a false-alarm rate <= alpha for a lossless engine; the methods share the plain arm's draws."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "suffix", "tailrl"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from tailrl.cli_audit import audit_prompts
+    from tailrl.rl.rollout.vllm_audit import llm_sampler, spec_dict
+    from tailrl.rl.rollout.vllm_llm import hf_folder, make_llm, vllm_version
+    from tailrl.speculative.audit import AuditConfig, draw, judge
+
+    folder = hf_folder(args.model)
+    cfg = AuditConfig(n=args.n, max_tokens=args.max_tokens, seed=args.seed)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = audit_prompts(lambda m: tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True), 4, args.seed)
+    off = None
+    print(f"{vllm_version()}, {args.model} {args.dtype}, 4 prompts x {args.n} x T {cfg.temperatures}, "
+          f"max_tokens {args.max_tokens}, k {args.k}, alpha {cfg.alpha}", flush=True)
+    for method in ["off"] + args.methods:
+        spec = spec_dict(method, args.k)
+        t0 = time.perf_counter()
+        try:
+            llm = make_llm(folder, args.dtype, args.seed + (method != "off"), 1024, spec)
+        except Exception as e:  # a method this build lacks (suffix needs arctic-inference): say so, go on
+            print(f"{method}: could not start ({type(e).__name__}: {str(e)[:200]})", flush=True)
+            continue
+        start = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        draws = draw(llm_sampler(llm, method == "tailrl"), prompts, cfg, int(method != "off"))
+        sample_s = time.perf_counter() - t0
+        tokens = sum(len(r) for per_t in draws for per_p in per_t for r in per_p)
+        print(f"{method}: startup {start:.0f} s, {tokens} tokens in {sample_s:.0f} s = {tokens / sample_s:.1f} tok/s",
+              flush=True)
+        del llm
+        gc.collect()
+        if method == "off":
+            off = draws
+            continue
+        res = judge(off, draws, cfg, f"vLLM {method}")
+        print(res.table(), flush=True)
+        print(f"{'PASS' if res.passed else 'FAIL'} (threshold {res.threshold:.2g}): {res.figures()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
