@@ -69,6 +69,18 @@ class EagleDrafter(nn.Module):
             self.sync_head()
         return self._head
 
+    def trained_state(self) -> dict:
+        """The weights the drafter trainer learns, by part ({"fc": ..., "layer": ...}); the LM head rows are the
+        target's (`sync_head`), the vocabulary is set apart (`set_vocab`)."""
+        return {"fc": self.fc.state_dict(), "layer": self.layer.state_dict()}
+
+    @torch.no_grad()
+    def load_trained(self, state: dict) -> None:
+        """Copies the trained weights from a `trained_state()` (another head's, a worker's, a checkpoint's) into
+        this head's own tensors, cast to their dtype and device."""
+        self.fc.load_state_dict(state["fc"])
+        self.layer.load_state_dict(state["layer"])
+
     def set_vocab(self, vocab: torch.Tensor) -> None:
         self.vocab = vocab.long().to(self.fc.weight.device)
         if self._target:
@@ -180,8 +192,7 @@ def load_drafter(folder: str | Path, target=None, device=None, dtype=None) -> Ea
     layer = {k[9:]: v for k, v in sd.items() if k.startswith("layers.0.") and "input_layernorm" not in k}
     if "bias" not in fc:  # TLT / some EAGLE checkpoints have no fc bias
         fc["bias"] = torch.zeros(cfg.hidden_size)
-    drafter.fc.load_state_dict(fc)
-    drafter.layer.load_state_dict(layer)
+    drafter.load_trained({"fc": fc, "layer": layer})
     if target is not None:
         device = device or target.device
         dtype = dtype or target.dtype

@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 
 def clone_head(head: EagleDrafter) -> EagleDrafter:
     copy = EagleDrafter(head.config, head.vocab.clone()).to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
-    copy.fc.load_state_dict(head.fc.state_dict())
-    copy.layer.load_state_dict(head.layer.state_dict())
+    copy.load_trained(head.trained_state())
     if head._target:
         copy.bind(head.target)
     return copy
@@ -171,20 +170,18 @@ class DrafterTrainer:
     def publish(self, engine_head: EagleDrafter) -> None:
         """Between rollouts only: the engine never sees weights change inside a generate call."""
         with self.lock:
-            engine_head.fc.load_state_dict(self.model.fc.state_dict())
-            engine_head.layer.load_state_dict(self.model.layer.state_dict())
+            engine_head.load_trained(self.model.trained_state())
             if not torch.equal(engine_head.vocab.cpu(), self.model.vocab.cpu()):
                 engine_head.set_vocab(self.model.vocab.clone())
             engine_head.sync_head()
 
     def state_dict(self) -> dict:
-        return {"fc": self.model.fc.state_dict(), "layer": self.model.layer.state_dict(), "vocab": self.model.vocab.cpu(),
+        return {**self.model.trained_state(), "vocab": self.model.vocab.cpu(),
                 "optimizer": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         with self.lock:
-            self.model.fc.load_state_dict(state["fc"])
-            self.model.layer.load_state_dict(state["layer"])
+            self.model.load_trained(state)
             self.model.set_vocab(state["vocab"])
             self.opt.load_state_dict(state["optimizer"])
             self.sched.load_state_dict(state["sched"])

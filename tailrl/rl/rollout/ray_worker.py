@@ -48,17 +48,14 @@ class DrafterIdle:
 
     def state(self) -> dict:
         """The trained copy (what the driver merges) and how many steps it took; ends this rollout."""
-        out = {"fc": self.trainer.model.fc.state_dict(), "layer": self.trainer.model.layer.state_dict(),
-               "steps": self.steps}
+        out = {**self.trainer.model.trained_state(), "steps": self.steps}
         self.steps = 0
         self.rollout += 1
         return out
 
     def load(self, state: dict) -> None:
         """The merged head, into the trainer's copy and the engine's head (between rollouts only)."""
-        with torch.no_grad():
-            self.trainer.model.fc.load_state_dict(state["fc"])
-            self.trainer.model.layer.load_state_dict(state["layer"])
+        self.trainer.model.load_trained(state)
         self.trainer.publish(self.head)
 
 
@@ -74,8 +71,8 @@ def build(spec: WorkerSpec, index: int) -> WorkerParts:
 
 
 def head_state(head: EagleDrafter) -> dict:
-    return {"fc": {k: v.detach().cpu().clone() for k, v in head.fc.state_dict().items()},
-            "layer": {k: v.detach().cpu().clone() for k, v in head.layer.state_dict().items()}}
+    """The head's trained weights as CPU copies, to send to the workers."""
+    return {part: {k: v.detach().cpu().clone() for k, v in sd.items()} for part, sd in head.trained_state().items()}
 
 
 @torch.no_grad()
@@ -86,8 +83,6 @@ def merge_heads(head: EagleDrafter, states: list[dict]) -> int:
     total = sum(s["steps"] for s in states)
     if not total:
         return 0
-    for part in ("fc", "layer"):
-        target = getattr(head, part)
-        merged = {k: sum(s[part][k].float() * (s["steps"] / total) for s in states) for k in target.state_dict()}
-        target.load_state_dict({k: v.to(target.state_dict()[k].dtype) for k, v in merged.items()})
+    head.load_trained({part: {k: sum(s[part][k].float() * (s["steps"] / total) for s in states).to(v.dtype)
+                              for k, v in sd.items()} for part, sd in head.trained_state().items()})
     return total
