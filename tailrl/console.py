@@ -46,7 +46,7 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("reward", ", ".join(cfg.reward.functions)),
         ("steps", f"{t.steps} x {t.prompts_per_step} prompts x {r.n} samples, max {r.max_tokens} tokens, T {r.temperature:g}; "
                   f"eval every {t.eval_every or 'never'}, save every {t.save_every or 'end'}"),
-        ("rollout", f"{trainer.rollout_role.version}" + (f", speculation {trainer.rollout_role.spec_note}"
+        ("rollout", f"{trainer.rollout.version}" + (f", speculation {trainer.rollout.spec_note}"
                     if r.backend == "vllm" else f", speculation {r.spec.mode}{drafter}{workers}")),
         ("run folder", f"{t.out_dir}" + (f" (resumed at step {trainer.step})" if resumed else "")),
     ]
@@ -151,18 +151,16 @@ class RunConsole:
             return ""
         step = trainer.step + (name != "eval")  # an evaluation follows the step it belongs to
         line = f"step {step}/{trainer.cfg.trainer.steps} {name} {took:.0f}s"
-        engine = trainer.engine
-        running = engine.num_running + engine.num_waiting
+        tokens, running = trainer.rollout.progress()
         if name in ("rollout", "eval") and running:
-            stats, now = engine.last_stats, time.perf_counter()
-            prev = seen.get("stats")
-            if prev is not None and prev[0] is stats and stats.generated_tokens > prev[1]:  # this rollout's counters
-                rate = (stats.generated_tokens - prev[1]) / max(now - prev[2], 1e-9)
+            now, prev = time.perf_counter(), seen.get("stats")
+            if prev is not None and tokens > prev[0]:  # this rollout's counters (a new rollout starts from 0)
+                rate = (tokens - prev[0]) / max(now - prev[1], 1e-9)
                 seen["rate"] = 0.7 * seen.get("rate", rate) + 0.3 * rate
-                line += f": {stats.generated_tokens:,} tokens, {engine.num_running} running, {seen['rate']:.0f} tok/s"
+                line += f": {tokens:,} tokens, {running} running, {seen['rate']:.0f} tok/s"
             else:
-                line += f": {engine.num_running} running"
-            seen["stats"] = (stats, stats.generated_tokens, now)
+                line += f": {running} running"
+            seen["stats"] = (tokens, now)
         return line
 
     def close(self) -> None:

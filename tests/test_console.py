@@ -45,7 +45,9 @@ def test_train_into_a_file_gives_a_clean_log(tiny_chat, task_file, tmp_path):
 
 def fake_trainer(phase=None, running=0):
     engine = SimpleNamespace(num_running=running, num_waiting=0, last_stats=SimpleNamespace(generated_tokens=0))
-    return SimpleNamespace(phase=phase, step=3, engine=engine, cfg=SimpleNamespace(trainer=SimpleNamespace(steps=16)))
+    rollout = SimpleNamespace(progress=lambda: (engine.last_stats.generated_tokens, engine.num_running + engine.num_waiting))
+    return SimpleNamespace(phase=phase, step=3, engine=engine, rollout=rollout,
+                           cfg=SimpleNamespace(trainer=SimpleNamespace(steps=16)))
 
 
 def test_the_progress_line_shows_a_long_rollout_on_a_terminal_and_goes_away():

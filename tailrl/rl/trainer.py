@@ -10,6 +10,7 @@ same whatever `trainer.world_size` (the actor's ranks are behind one object)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -27,7 +28,8 @@ from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
-from .rollout.engine import Rollout, make_rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
+from .rollout.base import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
+from .rollout.engine import make_rollout
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
 from .rewards.verl import adopt_verl, warn_unknown_sources
@@ -52,6 +54,15 @@ def make_actor(cfg: Config, rollout_dtype: torch.dtype):
     return ActorGroup(cfg, rollout_dtype), model, tokenizer
 
 
+def response_metrics(comps: list, all_comps: list) -> dict:
+    """Lengths of the step's responses (the accepted ones; all of them when none was)."""
+    lens = torch.tensor([len(c.token_ids) for c in comps or all_comps], dtype=torch.float)
+    return {"response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
+            "response_length/min": float(lens.min()),
+            "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
+            "response_lengths": lens.int().tolist()}
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -64,14 +75,14 @@ class Trainer:
         self.actor, engine_model, self.tokenizer = make_actor(cfg, rollout_dtype)
         self._check_context(engine_model.config.max_position_embeddings)
         self.samples: list[dict] = []  # rows for samples.jsonl from the last step (first, middle and last steps)
-        self.rollout_role = make_rollout(cfg, engine_model, self.tokenizer)
+        self.rollout: Rollout = make_rollout(cfg, engine_model, self.tokenizer)
         self.last_step_s = 0.0
         self.notes = adopt_verl(cfg.data, cfg.reward, peek_rows(cfg.data.train_file))  # [] unless verl's format
         self.train_set, self.eval_set = load_datasets(cfg.data)
         warn_unknown_sources(cfg.reward.functions, self.train_set + self.eval_set)
         d = cfg.data
-        self.train_set = fit_prompts(self.train_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "train")
-        self.eval_set = fit_prompts(self.eval_set, self.engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
+        self.train_set = fit_prompts(self.train_set, self.rollout.encode, d.system_prompt, d.max_prompt_tokens, "train")
+        self.eval_set = fit_prompts(self.eval_set, self.rollout.encode, d.system_prompt, d.max_prompt_tokens, "eval")
         self.loader = Loader(len(self.train_set), cfg.trainer.seed)
         self.rewards = Rewarder(cfg)
         self.guard = StepGuard(cfg.trainer.max_skipped_steps)
@@ -89,31 +100,73 @@ class Trainer:
             log.warning("data.max_prompt_tokens + rollout.max_tokens = %d exceeds the model's context (%d): responses "
                         "to the longest prompts are cut short", c.rollout.max_tokens + c.data.max_prompt_tokens, ctx)
 
-    # the roles' parts under the names callers used before the split
-    engine = property(lambda self: self.rollout_role.engine)
-    head = property(lambda self: self.rollout_role.head)
-    spot = property(lambda self: self.rollout_role.spot)
-    drafter_trainer = property(lambda self: self.rollout_role.drafter_trainer)
-    cluster = property(lambda self: self.rollout_role.cluster)
-    history = property(lambda self: self.rollout_role.history)
+    # the roles' parts, for tests and tools that inspect a trainer (the loop below calls the roles only)
+    engine = property(lambda self: self.rollout.engine)
+    head = property(lambda self: self.rollout.head)
+    spot = property(lambda self: self.rollout.spot)
+    drafter_trainer = property(lambda self: self.rollout.drafter_trainer)
+    cluster = property(lambda self: self.rollout.cluster)
+    history = property(lambda self: self.rollout.history)
     # world_size > 1: the ranks hold shards, and the engine's model (same names and shapes) stands for the policy
     policy = property(lambda self: self.actor.policy if self.cfg.trainer.world_size == 1 else self.engine.model)
     prec = property(lambda self: self.actor.prec)
     optimizer = property(lambda self: self.actor.optimizer)
 
     def close(self) -> None:
-        for role in (self.rewards, self.rollout_role, self.actor):
+        for role in (self.rewards, self.rollout, self.actor):
             if role is not None and hasattr(role, "close"):
                 role.close()
 
     # ---- one step --------------------------------------------------------------------------------------
 
-    def rollout(self, examples: list[Example], step: int):
-        return self.rollout_role.generate(examples, step, self.actor.weights, self.last_step_s)
+    @contextlib.contextmanager
+    def _phase(self, name: str, timing: dict, console: str | None = None):
+        """Times a phase of the step into timing_s/<name>; console: the phase the progress line shows."""
+        t = time.perf_counter()
+        if console:
+            self.phase = (console, t)
+        try:
+            yield
+        finally:
+            timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t
+
+    def train_step(self) -> dict:
+        """One RL step, in its order: generate, score and update (_learn), sync the weights, evaluate."""
+        cfg, timing, metrics = self.cfg, {}, {}
+        t_step = time.perf_counter()
+        self.samples = []
+        examples = [self.train_set[i] for i in self.loader.next(cfg.trainer.prompts_per_step)]
+        with self._phase("gen", timing, "rollout"):
+            all_comps = self.rollout.generate(examples, self.step, self.actor.weights, self.last_step_s)
+        check_rollout_labels(examples, all_comps, cfg.rollout.n)
+        comps, metrics["rollout/rejected"] = self._accepted(all_comps, cfg.rollout.n)
+        rollout = self.rollout.metrics()
+        self.phase = ("update", time.perf_counter())
+        self.rollout.sleep()
+        if comps:
+            metrics.update(self._learn(examples, comps, timing))
+        else:
+            self.skip_reason = "every prompt of the step was rejected by the engine"
+            metrics["train/skipped_steps"] = 1
+        with self._phase("sync", timing):
+            metrics["sync/bytes"] = self.actor.sync_to(self.rollout)
+            metrics.update(self.rollout.drafter_sync())
+        self.rollout.wake()
+        timing["timing_s/sync"] += rollout.pop("timing_s/sync", 0.0)  # Ray workers took this step's weights
+        metrics.update(rollout)
+        metrics.update(response_metrics(comps, all_comps))
+        self.step += 1
+        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+            with self._phase("eval", timing):
+                metrics.update(self.evaluate())
+        timing["timing_s/step"] = self.last_step_s = time.perf_counter() - t_step
+        metrics.update(timing)
+        self.phase = None
+        return metrics
 
     def evaluate(self) -> dict:
         self.phase = ("eval", time.perf_counter())
-        comps = self.rollout_role.greedy(self.eval_set)
+        comps = self.rollout.greedy(self.eval_set)
         if not comps:
             return {"eval/accuracy": float("nan"), "eval/reward": float("nan")}
         rewards, m, _ = self.rewards.score(self.eval_set, comps, group_size=1)
@@ -128,66 +181,14 @@ class Trainer:
                         self.step + 1, len(bad), len(groups), next((c.error for c in bad[0] if c.error), "no reason given"))
         return [c for g in groups if g not in bad for c in g], len(bad)
 
-    def train_step(self) -> dict:
-        cfg = self.cfg
-        t_step = time.perf_counter()
-        self.samples = []
-        idx = self.loader.next(cfg.trainer.prompts_per_step)
-        examples = [self.train_set[i] for i in idx]
-        timing = {}
-        t = time.perf_counter()
-        self.phase = ("rollout", t)
-        all_comps = self.rollout(examples, self.step)
-        timing["timing_s/gen"] = time.perf_counter() - t
-        check_rollout_labels(examples, all_comps, cfg.rollout.n)
-        comps, rejected = self._accepted(all_comps, cfg.rollout.n)
-        metrics = {"rollout/rejected": rejected, "rollout/batch_invariant": float(self.engine.runner.invariant)}
-        self.phase = ("update", time.perf_counter())
-        colocated = self.engine.model.device.type == "cuda"  # the engine's KV and graphs give the update room
-        if colocated:
-            self.engine.sleep()
-        if comps:
-            metrics.update(self._learn(examples, comps, timing))
-        else:
-            self.skip_reason = "every prompt of the step was rejected by the engine"
-            metrics["train/skipped_steps"] = 1
-        t = time.perf_counter()
-        metrics["sync/bytes"] = self.actor.sync_to(self.rollout_role)
-        metrics.update(self.rollout_role.drafter_sync(self.engine.model.config.eos_token_id))
-        timing["timing_s/sync"] = time.perf_counter() - t
-        if colocated:
-            self.engine.wake()
-        if self.cluster is not None:  # the workers got this step's weights before its rollout
-            timing["timing_s/sync"] += self.rollout_role.cluster_metrics.pop("timing_s/sync", 0.0)
-            metrics.update(self.rollout_role.cluster_metrics)
-        lens = torch.tensor([len(c.token_ids) for c in comps or all_comps], dtype=torch.float)
-        st = all_comps.stats
-        metrics.update({
-            "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
-            "response_length/min": float(lens.min()),
-            "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
-            "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(), **self.rollout_role.tail,
-        })
-        metrics["response_lengths"] = lens.int().tolist()
-        self.step += 1
-        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-            t = time.perf_counter()
-            metrics.update(self.evaluate())
-            timing["timing_s/eval"] = time.perf_counter() - t
-        timing["timing_s/step"] = self.last_step_s = time.perf_counter() - t_step
-        metrics.update(timing)
-        self.phase = None
-        return metrics
-
     def _learn(self, examples: list[Example], comps, timing: dict) -> dict:
         """Rewards -> advantages -> policy update; no optimizer step on a non-finite reward or advantage."""
         n = self.cfg.rollout.n
-        t = time.perf_counter()
-        rewards, metrics, correct = self.rewards.score(examples, comps, n)
-        if self.step + 1 in sample_steps(self.cfg.trainer.steps):
-            self.samples = pick_samples(self.step + 1, [examples[c.prompt_index].prompt for c in comps], comps,
-                                        rewards.tolist(), correct)
-        timing["timing_s/reward"] = time.perf_counter() - t
+        with self._phase("reward", timing):
+            rewards, metrics, correct = self.rewards.score(examples, comps, n)
+            if self.step + 1 in sample_steps(self.cfg.trainer.steps):
+                self.samples = pick_samples(self.step + 1, [examples[c.prompt_index].prompt for c in comps], comps,
+                                            rewards.tolist(), correct)
         adv = group_advantages(rewards, n, norm_std=self.cfg.algo.advantage == "grpo")
         bad = "reward" if not torch.isfinite(rewards).all() else "advantage" if not torch.isfinite(adv).all() else None
         if bad:
@@ -206,7 +207,7 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         t = self.cfg.trainer
         state = {"step": self.step, "optimizer": self.actor.optimizer_state(final), "loader": self.loader.state_dict(),
-                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **self.rollout_role.state()}
+                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **self.rollout.state()}
         return save_checkpoint(self.out / "checkpoints", self.step, self.actor, self.tokenizer, state, self._config(),
                                self.head, t.keep_checkpoints, final)
 
@@ -217,7 +218,7 @@ class Trainer:
         """Loads the newest usable checkpoint (see checkpoint/store.py for the fallbacks) and says what it did. Each is
         checked against this trainer first (checkpoint/state_check.py), so that what follows cannot fail half way."""
         root = self.out / "checkpoints"
-        r = self.rollout_role
+        r = self.rollout
         opt = self.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
         got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(), opt, r.drafter_trainer, r.head,
                                                                self.actor.tied),

@@ -68,14 +68,11 @@ class Actor:
     # ---- weights out ---------------------------------------------------------------------------------------
 
     def sync_to(self, rollout) -> int:
-        """The new weights into the rollout's in-process engine; returns the bytes moved (0 when the engine's
-        model is the policy or its bf16 compute copy)."""
-        if rollout.streams_policy:  # vLLM: the weights go by name into its own copy
-            return rollout.load_policy(self.policy)
-        if rollout.engine.model is self.policy or rollout.engine.model is self.prec.model:
+        """The new weights into the rollout (rollout/base.py); returns the bytes moved (0 when our engine runs the
+        policy or its bf16 compute copy, which the optimizer step updated in place)."""
+        if not rollout.streams_policy and (self.engine_model is self.policy or self.engine_model is self.prec.model):
             return 0
-        rollout.load_policy(self.policy)
-        return sum(t.numel() * t.element_size() for t in rollout.engine.model.state_dict().values())
+        return rollout.load_policy(self.policy)
 
     def weights(self) -> dict:
         """The policy's tensors by name (for Ray rollout workers)."""

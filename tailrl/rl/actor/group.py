@@ -214,7 +214,7 @@ class ActorGroup:
 
     def sync_to(self, rollout) -> int:
         """Streams the new weights into the rollout's engine (its dtype); returns the bytes moved."""
-        dtype = rollout.engine.model.dtype
+        dtype = rollout.dtype
         return rollout.load_weights((n, t) for layer in self.layers(dtype) for n, t in layer.items())
 
     def shapes(self) -> dict:

@@ -18,13 +18,9 @@ from ...drafter.propose import LearnedDrafter
 from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ...engine import Engine, EngineConfig, SamplingParams
 from ...engine.tail import tail_metrics
+from .base import step_seed
 from .ray_cluster import cluster_rollout, make_cluster
 from .weights import push_weights
-
-
-def step_seed(seed: int, step: int, prompt: int) -> int:
-    """Rollout seeds depend only on (run seed, step, prompt): a resumed run samples what the original would."""
-    return (seed * 1_000_003 + step) * 1_000_033 + prompt * 997
 
 
 def build_drafter(cfg: Config, target):
@@ -44,15 +40,17 @@ def build_drafter(cfg: Config, target):
 
 
 def make_rollout(cfg: Config, engine_model: torch.nn.Module, tokenizer):
-    """The rollout of rollout.backend: ours (Rollout) or vLLM's (vllm_rollout.VllmRollout, imported only then)."""
+    """The rollout of rollout.backend: ours (EngineRollout) or vLLM's (vllm_rollout.VllmRollout, imported only then)."""
     if cfg.rollout.backend == "vllm":
         from .vllm_rollout import VllmRollout
 
         return VllmRollout(cfg, engine_model, tokenizer)
-    return Rollout(cfg, engine_model, tokenizer)
+    return EngineRollout(cfg, engine_model, tokenizer)
 
 
-class Rollout:
+class EngineRollout:
+    """The `Rollout` (base.py) on our engine: in process, or on Ray rollout workers with rollout.workers > 1."""
+
     version = "tailrl engine"
     streams_policy = False  # at world size 1 the engine runs the policy or its compute copy: nothing to send
 
@@ -69,8 +67,32 @@ class Rollout:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
-        self.cluster_metrics: dict = {}
-        self.tail: dict = {}  # the last rollout's tail metrics (tail.py; the in-process engine only)
+        self._metrics: dict = {}  # the last rollout's (metrics())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.model.dtype
+
+    def encode(self, prompt) -> list[int]:
+        return self.engine.encode(prompt)
+
+    def progress(self) -> tuple[int, int]:
+        return self.engine.last_stats.generated_tokens, self.engine.num_running + self.engine.num_waiting
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
+
+    @property
+    def _colocated(self) -> bool:  # the update shares the device: the KV cache and graphs give it room
+        return self.engine.model.device.type == "cuda"
+
+    def sleep(self) -> None:
+        if self._colocated:
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        if self._colocated:
+            self.engine.wake()
 
     @property
     def history(self):
@@ -91,8 +113,8 @@ class Rollout:
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                  top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
         if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
-            comps, self.cluster_metrics = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params,
-                                                          head=self.head)
+            comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
+            self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
             return comps
         if self.spot is not None:
             self.drafter_trainer.model.sync_head()
@@ -110,8 +132,12 @@ class Rollout:
             if self.lender is not None:
                 self.lender.stop()
         self.engine.end_rollout(col.stats)
-        self.tail = tail_metrics(records, len(col.ids))
+        self._metrics = {**self._rollout_metrics(col.stats), **tail_metrics(records, len(col.ids))}
         return col.result()
+
+    def _rollout_metrics(self, stats) -> dict:
+        return {"rollout/batch_invariant": float(self.engine.runner.invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,
+                **stats.metrics()}
 
     def greedy(self, examples: list) -> list:
         """Greedy completions of examples (evaluation), rejected ones left out."""
@@ -119,11 +145,13 @@ class Rollout:
                                      SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
         return [c for c in comps if c.finish_reason != "error"]
 
-    def load_policy(self, policy: torch.nn.Module) -> None:
-        """The master's weights in process, cast to the engine's dtype (a bf16 compute copy that is the engine's
-        model took them after each optimizer step already)."""
-        if self.engine.model is not policy:
-            push_weights(policy, self.engine.model)
+    def load_policy(self, policy: torch.nn.Module) -> int:
+        """The master's weights in process, cast to the engine's dtype; returns the bytes copied (0 when the engine
+        runs that very module)."""
+        if self.engine.model is policy:
+            return 0
+        push_weights(policy, self.engine.model)
+        return sum(t.numel() * t.element_size() for t in self.engine.model.state_dict().values())
 
     def load_weights(self, named) -> int:
         """Streamed weights: (name, tensor) pairs, each copied into the engine model's tensor of that name as it
@@ -140,7 +168,7 @@ class Rollout:
                 got += t.numel() * t.element_size()
         return got
 
-    def drafter_sync(self, eos_token_id) -> dict:
+    def drafter_sync(self) -> dict:
         """Between steps: the trained head's weights (and, once known, its draft vocabulary) go to the engine,
         and both heads re-read the policy's new LM head rows."""
         if self.head is None:
@@ -149,7 +177,7 @@ class Rollout:
             self.head.sync_head()
             return {}
         tr = self.drafter_trainer
-        tr.maybe_set_vocab(None, eos_token_id)
+        tr.maybe_set_vocab(None, self.engine.model.config.eos_token_id)
         tr.publish(self.head)
         m = {"drafter/train_steps": tr.steps, "drafter/spot_steps": self.spot.steps_this_rl_step,
              "drafter/spot_s": self.spot.used_s, "drafter/buffer_tokens": tr.buffer.tokens}
@@ -167,8 +195,7 @@ class Rollout:
             self.history.load_state_dict(state.get("history") or {"prompts": []})
         if self.head is not None and drafter is not None:
             self.head.set_vocab(drafter.vocab)
-            self.head.fc.load_state_dict(drafter.fc.state_dict())
-            self.head.layer.load_state_dict(drafter.layer.state_dict())
+            self.head.load_trained(drafter.trained_state())
             self.head.sync_head()
         if state.get("drafter") is not None and self.drafter_trainer is not None:
             self.drafter_trainer.load_state_dict(state["drafter"])

@@ -77,6 +77,8 @@ class EngineView:
 
 
 class VllmRollout:
+    """The `Rollout` (base.py) on vLLM: a vllm.LLM from the policy's HF folder, weights streamed by name."""
+
     streams_policy = True  # the actor sends weights after every step even where our engine would share them
 
     def __init__(self, cfg: Config, engine_model: torch.nn.Module, tokenizer):
@@ -96,7 +98,7 @@ class VllmRollout:
                             r.max_num_seqs)
         self.proposer = spec is not None and spec["method"] == "custom_class"
         self.version = vllm_version()
-        self.cluster, self.cluster_metrics, self.tail, self.head = None, {}, {}, None
+        self.cluster, self.head = None, None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
 
@@ -154,8 +156,24 @@ class VllmRollout:
         """Streams (name, tensor) pairs into vLLM in its dtype (HF names, as our model's); returns the bytes sent."""
         return stream_weights(self.llm, named, self.dtype, self.tied)
 
-    def drafter_sync(self, eos_token_id) -> dict:
+    def drafter_sync(self) -> dict:
         return {}
+
+    def encode(self, prompt) -> list[int]:
+        return self.engine.encode(prompt)
+
+    def metrics(self) -> dict:
+        st = self.engine.last_stats
+        return {"rollout/batch_invariant": 0.0, "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics()}
+
+    def progress(self) -> tuple[int, int]:
+        return self.engine.last_stats.generated_tokens, 0  # vLLM's batch is not ours to count
+
+    def sleep(self) -> None:  # vLLM's sleep mode is CUDA-only; its KV cache stays
+        pass
+
+    def wake(self) -> None:
+        pass
 
     def state(self) -> dict:
         return {"history": None, "drafter": None}
