@@ -18,6 +18,8 @@ from tailrl.rl.checkpoint.state_io import PICKLED, STATE_JSON, STATE_TENSORS, re
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")  # no worker process: cheaper
 FLAG = "trainer.trust_pickled_state=true"
 

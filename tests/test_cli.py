@@ -2,6 +2,10 @@ import json
 
 from tailrl.cli import main
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 def test_generate_writes_completions_and_isolates_bad_rows(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"

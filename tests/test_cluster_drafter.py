@@ -20,6 +20,8 @@ from tailrl.rl.rollout.ray_worker import head_state, merge_heads
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

@@ -21,7 +21,7 @@ CPU = StepCost(base_s=0.03, per_token_s=0.0035)
 PROMPTS = ["1 + 2 =", "3 + 4 = 7 ####", "a b c", "9 9 9 9 +", "5 =", "d e"]
 
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # a local Ray cluster per module (conftest.py)
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]  # a local Ray cluster per module (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from tailrl.speculative.config import SpecConfig
 from tests.stats import chisquare_pvalue
 from tests.helpers import CHATS, assert_same_or_tie, exact_joint, tiny_draft_buffer
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 def trained_head(model, tok, prompts, cfg, n=4, max_tokens=16, steps=3, seed=0):
     buffer = collect(model, tok, prompts, n, max_tokens, 1.0, seed)

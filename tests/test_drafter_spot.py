@@ -15,6 +15,10 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.speculative.config import SpecConfig
 from tests.helpers import tiny_draft_buffer
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 def wait_for(cond, timeout: float = 120.0) -> bool:
     """Polls cond until it holds; the timeout only keeps a broken implementation from hanging the suite."""

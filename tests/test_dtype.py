@@ -14,6 +14,8 @@ from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(load, "cpu_has_bf16", lambda: True)

@@ -11,6 +11,8 @@ import torch
 from tailrl.cli import main
 from tailrl.rl.evaluate import majority_correct, pass_at_k
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 SEVENS = {1, 4, 6, 11, 13}  # rows 0-15 (the run's held-out rows): 5 answers '7', 11 answers '3'
 WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>", "?", *"0123456789", "+", "=", "#### 3", "#### 7"]
 

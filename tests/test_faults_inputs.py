@@ -10,6 +10,8 @@ import pytest
 from tailrl.config import ConfigError, DataCfg, load_config
 from tailrl.rl.data import load_datasets
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 @pytest.mark.parametrize("override, key", [
     ("rollout.temperature=0", "rollout.temperature"),  # greedy rollouts give NaN policy-gradient losses

@@ -15,6 +15,8 @@ import pytest
 from tailrl.config import load_config
 from tailrl.rl.rewards.runner import RewardError, RewardRunner
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 ROOT = str(Path(__file__).resolve().parents[1])
 
 

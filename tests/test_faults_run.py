@@ -23,6 +23,8 @@ from tailrl.rl.checkpoint.state_io import read_state
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 ROOT = str(Path(__file__).resolve().parents[1])
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")  # no worker process: cheaper
 

@@ -11,6 +11,8 @@ from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg, write_task
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")
 
 

@@ -18,6 +18,8 @@ from tailrl.speculative.tree import DraftTree
 from tailrl.speculative.verify import Verdict
 from tests.helpers import CHATS, assert_falls_back, first_difference
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 MATH = [[{"role": "user", "content": f"What is {a} times {b}? Think step by step, then answer after ####."}]
         for a, b in [(12, 7), (33, 4), (9, 14), (25, 25)]]
 

@@ -10,6 +10,8 @@ import pytest
 
 from tailrl.cli import main
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 def wandb_records(path) -> list:
     """The records of a W&B .wandb file (a LevelDB-style log of protobuf Records in 32 KiB blocks)."""

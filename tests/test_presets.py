@@ -6,6 +6,8 @@ from tailrl.cli import main
 from tailrl.config import Config, ConfigError, load_config
 from tailrl.presets import preset_names
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 
 @pytest.mark.parametrize("name", preset_names())
 def test_every_packaged_preset_validates(name):

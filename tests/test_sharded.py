@@ -23,7 +23,7 @@ from tests.rl_helpers import tiny_cfg, write_task
 ATOL = 1e-4
 
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # a local Ray cluster per module (conftest.py)
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]  # a local Ray cluster per module (conftest.py)
 
 
 @pytest.fixture(scope="module")

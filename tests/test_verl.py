@@ -15,6 +15,8 @@ from tailrl.rl.rewards.runner import RewardRunner
 from tailrl.rl.rewards.builtin import accuracy_verifier
 from tailrl.rl.rewards.verl import adopt_verl, verl_reward
 
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
+
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl's gsm8k.py
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."  # verl's math_dataset.py
 MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
