@@ -67,6 +67,16 @@ def make_tiny_checkpoint(folder, kind: str, seed: int = 0, vocab: int = 96):
     return model
 
 
+def tiny_model(tmp_path_factory, kind: str = "llama", seed: int = 0, dtype=None):
+    """The tiny model family every engine, speculation and update test runs: a random tiny HF checkpoint
+    (`make_tiny_checkpoint`: 3 layers, 64 wide, 96 words) of `kind`, loaded by tailrl on the CPU."""
+    from tailrl.model import load_model
+
+    folder = tmp_path_factory.mktemp(f"tiny_{kind}_{seed}")
+    make_tiny_checkpoint(folder, kind, seed=seed)
+    return load_model(str(folder), device="cpu", dtype=dtype)[0]
+
+
 @pytest.fixture(scope="session", params=list(TINY))
 def tiny_ckpt(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")

@@ -7,22 +7,18 @@ import torch
 from scipy.stats import chisquare
 
 from tailrl.engine import Engine, EngineConfig, GenerateStats, SamplingParams
-from tailrl.model import load_model
 from tailrl.model.step import make_step
 from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.noise import gumbel, row_keys, uniform, uniforms
 from tailrl.speculative.tree import DraftTree
+from tests.conftest import tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_steps")
-    make_tiny_checkpoint(folder, "llama", seed=3)
-    return load_model(str(folder), device="cpu")[0]
+    return tiny_model(tmp_path_factory, "llama", seed=3)
 
 
 def engine(model, mode: str) -> Engine:

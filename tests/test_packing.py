@@ -6,13 +6,20 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tailrl.config import AlgoCfg
 from tailrl.rl.actor.forward import make_batch, micro_batches, sequence_logprobs
 from tailrl.rl.actor.packing import layout, packed_tokens
 from tailrl.rl.actor.update import update_plan
-from tests.test_update import VALUE_TOL, assert_micro_batches_match_padded, padded_reference, tiny  # noqa: F401
+from tests.conftest import tiny_model
+from tests.update_helpers import VALUE_TOL, assert_micro_batches_match_padded, padded_reference
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "llama", dtype=torch.float32).requires_grad_(True)
 
 
 def group_comps(seed: int = 0, prompts: int = 3, n: int = 4):

@@ -7,19 +7,15 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK, BlockTables, blocks_for
-from tailrl.model import load_model
 from tailrl.speculative.config import SpecConfig
+from tests.conftest import tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_paged")
-    make_tiny_checkpoint(folder, "llama", seed=11)
-    return load_model(str(folder), device="cpu")[0]
+    return tiny_model(tmp_path_factory, "llama", seed=11)
 
 
 def _gb(blocks: int, model) -> float:

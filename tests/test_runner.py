@@ -9,10 +9,10 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import blocks_for
 from tailrl.engine.buckets import MIN_KEYS, StaticBatch, pick_bucket
 from tailrl.engine.runner import ModelRunner
-from tailrl.model import load_model
 from tailrl.model.step import make_padded_step, make_step
 from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.tree import DraftTree
+from tests.conftest import tiny_model
 
 from .helpers import assert_same_or_tie
 
@@ -22,11 +22,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_runner")
-    make_tiny_checkpoint(folder, "qwen2", seed=5)  # GQA (4 heads, 2 KV heads) with q/k/v biases
-    return load_model(str(folder), device="cpu")[0]
+    return tiny_model(tmp_path_factory, "qwen2", seed=5)  # GQA (4 heads, 2 KV heads) with q/k/v biases
 
 
 def test_buckets_are_the_smallest_that_hold_the_pass():

@@ -5,12 +5,12 @@ import logging
 import pytest
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.model import load_model
 from tailrl.speculative.budgets import LengthTracker, das_budgets
 from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.drafters import ModelFreeDrafter
 from tailrl.speculative.speculator import Speculator
 from tailrl.speculative.tree import DraftTree
+from tests.conftest import tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
 
@@ -40,11 +40,7 @@ class OracleDrafter(ModelFreeDrafter):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_spec")
-    make_tiny_checkpoint(folder, "llama", seed=5)
-    return load_model(str(folder), device="cpu")[0]
+    return tiny_model(tmp_path_factory, "llama", seed=5)
 
 
 @pytest.mark.parametrize("policy_bound", [True, False], ids=["policy-bound", "text-bound"])

@@ -7,8 +7,9 @@ from tailrl.cli import main
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tailrl.rl.rollout.weights import push_weights
-from tests.conftest import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg
+
+pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 
 
 def always_raises(prompts, completions, **_):
@@ -20,11 +21,6 @@ def always_hangs(prompts, completions, **_):
 
     time.sleep(120)
     return [1.0] * len(completions)
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory):
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat")))
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,18 @@ import pytest
 import torch
 
 from tailrl.config import AlgoCfg
-from tailrl.model import load_model
 from tailrl.rl.algos import policy_loss, token_logprobs
-from tailrl.rl.actor.forward import make_batch, micro_batches, no_grad_logprobs, sequence_logprobs
+from tailrl.rl.actor.forward import make_batch, micro_batches, no_grad_logprobs
 from tailrl.rl.actor.logprobs import head_logprobs
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import mismatch, policy_update
-from tests.conftest import make_tiny_checkpoint
-
-# fp32 tolerances: the chunked path sums the same products in another order
-VALUE_TOL, GRAD_RTOL, GRAD_ATOL = 2e-5, 1e-4, 2e-5
+from tests.conftest import tiny_model
+from tests.update_helpers import GRAD_ATOL, GRAD_RTOL, VALUE_TOL, assert_micro_batches_match_padded, padded_reference
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_update")
-    make_tiny_checkpoint(folder, "llama", vocab=96)
-    model, _ = load_model(str(folder), device="cpu", dtype=torch.float32)
-    return model.requires_grad_(True)
+    return tiny_model(tmp_path_factory, "llama", dtype=torch.float32).requires_grad_(True)
 
 
 def comps(seed: int = 0, n: int = 7):
@@ -37,15 +31,6 @@ def comps(seed: int = 0, n: int = 7):
         resp = [rng.randrange(3, 96) for _ in range(rng.randint(1, 14))]
         out.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-2.0] * len(resp)))
     return out
-
-
-def padded_reference(model, batch, temperature):
-    """The old path: one padded forward, full [B, T, V] logits, log-softmax."""
-    L = max(len(s) for s in batch.seqs)
-    toks = torch.tensor([s + [0] * (L - len(s)) for s in batch.seqs])
-    logits, _ = model.forward_full(toks[:, :-1], logits_start=batch.start)
-    lp, ent = token_logprobs(logits, toks[:, batch.start + 1 :], temperature)
-    return lp * batch.mask, ent * batch.mask
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
@@ -73,27 +58,6 @@ def test_micro_batches_group_lengths_and_cover_every_sequence():
     assert sorted(i for m in micros for i in m) == list(range(9)) and [len(m) for m in micros] == [4, 4, 1]
     lens = [len(batch.seqs[i]) for m in micros for i in m]
     assert lens == sorted(lens, reverse=True)
-
-
-def assert_micro_batches_match_padded(model, batch, micros, adv, chunk: int) -> None:
-    """Values and the gradient of a PPO loss summed over the micro-batches equal one padded full-logits forward over
-    the whole batch (fp32 tolerances above)."""
-    ref_lp, ref_ent = padded_reference(model, batch, 0.8)
-    loss, _ = policy_loss(ref_lp, ref_lp.detach(), adv, batch.mask, 0.2, 0.28, "token-mean")
-    loss.backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    total = float(batch.mask.sum())
-    for micro in micros:
-        lp, ent = sequence_logprobs(model, batch, micro, 0.8, chunk=chunk)
-        torch.testing.assert_close(lp.detach(), ref_lp[micro].detach(), atol=VALUE_TOL, rtol=0)
-        torch.testing.assert_close(ent.detach(), ref_ent[micro].detach(), atol=VALUE_TOL, rtol=0)
-        m = batch.mask[micro]
-        part, _ = policy_loss(lp, lp.detach(), adv[micro], m, 0.2, 0.28, "token-mean")
-        (part * float(m.sum()) / total).backward()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
-    model.zero_grad(set_to_none=True)
 
 
 def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
