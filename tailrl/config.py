@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from .cluster.config import ClusterConfig
 from .config_help import REMOVED, choice_problem, did_you_mean, or_list
+from .config_values import ConfigError, coerce, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
 from .speculative.config import SpecConfig
@@ -217,24 +215,6 @@ class Config:
             raise ConfigError(f"bad rollout setting: {e}") from e
 
 
-class ConfigError(ValueError):
-    pass
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.2 booleans: only true/false, so `spec.mode: off` stays the string 'off'."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    k: [r for r in v if r[0] != "tag:yaml.org,2002:bool"] for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
-
-def parse_yaml(text: str):
-    return yaml.load(text, Loader=_Loader)
-
-
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
@@ -248,38 +228,6 @@ def valid_keys(cls=Config, prefix: str = "") -> list[str]:
 
 def _field_type(cls, name: str):
     return typing.get_type_hints(cls)[name]
-
-
-def _coerce(value, t, key: str):
-    origin = typing.get_origin(t)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        if value is None:
-            return None
-        for a in args:
-            try:
-                return _coerce(value, a, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"bad value for {key}: {value!r} is not {' or '.join(a.__name__ for a in args)}")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        (inner, *_) = typing.get_args(t) or (object,)
-        items = [_coerce(v, inner, key) for v in value]
-        return tuple(items) if origin is tuple else items
-    if t in (int, float) and isinstance(value, str):  # YAML reads 1e-4 as a string
-        try:
-            value = t(value)
-        except ValueError:
-            raise ConfigError(f"bad value for {key}: {value!r} is not {t.__name__}") from None
-    if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if t is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if t in (int, float, str, bool) and not (isinstance(value, t) and not (t is int and isinstance(value, bool))):
-        raise ConfigError(f"bad value for {key}: {value!r} is not {t.__name__}")
-    return value
 
 
 def unknown_key(full: str) -> ConfigError:
@@ -307,18 +255,7 @@ def _set(obj, parts: list[str], value, full: str) -> None:
         for k, v in value.items():
             _set(getattr(obj, name), [k], v, f"{full}.{k}")
     else:
-        setattr(obj, name, _coerce(value, t, full))
-
-
-def _override_value(raw: str):
-    """A `key=value` override's value, parsed as YAML, except that a '#' is text there: YAML would cut
-    'data.system_prompt=answer after #### 5' at ' #' as a comment."""
-    if not raw.strip():
-        return ""
-    value = parse_yaml(raw)
-    if "#" in raw and (value is None or isinstance(value, str)) and raw.strip()[0] not in "'\"":
-        return raw.strip()
-    return value
+        setattr(obj, name, coerce(value, t, full))
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), preset: str = "") -> Config:
@@ -341,7 +278,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value (`tailrl config show` lists the keys)")
         key, raw = item.split("=", 1)
-        _set(cfg, key.strip().split("."), _override_value(raw), key.strip())
+        _set(cfg, key.strip().split("."), override_value(raw), key.strip())
     if why := choice_problem(cfg):
         raise ConfigError(why)
     for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),

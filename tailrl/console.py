@@ -46,8 +46,8 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("reward", ", ".join(cfg.reward.functions)),
         ("steps", f"{t.steps} x {t.prompts_per_step} prompts x {r.n} samples, max {r.max_tokens} tokens, T {r.temperature:g}; "
                   f"eval every {t.eval_every or 'never'}, save every {t.save_every or 'end'}"),
-        ("rollout", f"{trainer.rollout.version}" + (f", speculation {trainer.rollout.spec_note}"
-                    if r.backend == "vllm" else f", speculation {r.spec.mode}{drafter}{workers}")),
+        ("rollout", trainer.rollout.version),
+        ("speculation", trainer.rollout.spec_note if r.backend == "vllm" else f"{r.spec.mode}{drafter}{workers}"),
         ("run folder", f"{t.out_dir}" + (f" (resumed at step {trainer.step})" if resumed else "")),
     ]
     if loggers_where:
