@@ -10,6 +10,7 @@ import os
 import platform
 from pathlib import Path
 
+from ...engine.requests import encode
 from ...speculative.audit import AuditConfig, AuditResult, draw, judge
 from .vllm_llm import hf_folder, make_llm, vllm_version
 
@@ -72,7 +73,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
             from ...cli_audit import audit_prompts
 
             tok = llm.get_tokenizer()
-            prompts = audit_prompts(lambda m: tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True), 4, seed)
+            prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
         draws.append(draw(llm_sampler(llm, spec is not None and spec["method"] == "custom_class"), prompts, cfg, arm))
         del llm
         gc.collect()
@@ -122,5 +123,5 @@ def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    return arm(0), arm(1), lambda m: tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True), \
+    return arm(0), arm(1), lambda m: encode(tok, m), \
         f"{vllm_version()} {dt}"

