@@ -42,8 +42,9 @@ def test_smollm_hidden_states_match_transformers(smollm, hf_smollm):
     with torch.no_grad():
         ref = hf_smollm(ids[None], output_hidden_states=True).hidden_states
         _, hidden = model(ids, make_step([0], [len(ids)], [0]), KV(model.config), hidden_layers=(0, 3, 15, 30))
-    for layer in (0, 3, 15, 30):
-        assert (hidden[layer] - ref[layer][0]).abs().max() < TOL, layer
+    for layer in (0, 3, 15, 30):  # the bound scales with the layer's values (layer 3 holds some near 760, where one
+        # fp32 ulp is 6e-5): the engine's few-row products run another kernel than transformers' (model/packed.py)
+        assert (hidden[layer] - ref[layer][0]).abs().max() < TOL * max(1.0, ref[layer][0].abs().max().item()), layer
 
 
 def test_tiny_checkpoints_match_transformers(tiny_ckpt):
@@ -171,3 +172,26 @@ def test_grouped_attention_gives_the_fused_kernels_bits():
         mask = ((j < c) | ((j >= c) & (j - c <= i))).unsqueeze(1)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         assert torch.equal(_grouped_attention(q, k, v, mask), ref)
+
+
+def test_packed_linear_matches_and_follows_weight_updates():
+    """The engine's few-row products run on a packed copy of the weight (model/packed.py): the product within the
+    fp32 bound of a 64-term dot product, and never a stale weight after an in-place update or a new tensor."""
+    from tailrl.model.packed import packed_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+
+    def check():
+        with torch.inference_mode():
+            got, want = packed_linear(layer, x), layer(x)
+        bound = 64 * 2**-23 * (x.abs() @ layer.weight.abs().t() + layer.bias.abs()).max()
+        assert (got - want).abs().max() <= bound
+
+    check()
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # a weight sync copies in place
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # a new tensor
+    check()

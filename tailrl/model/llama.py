@@ -16,6 +16,7 @@ from torch import nn
 
 from .chunked import chunked_attention, in_calls, pad_rows, tiled_linear
 from .config import ModelConfig
+from .packed import packed_linear
 from .step import StepMeta
 
 
@@ -125,8 +126,9 @@ class Attention(nn.Module):
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
         invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
         gathered up to the pass's longest, under step.mask."""
-        # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls)
-        q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else None)
+        # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls; a plain
+        # pass: weights packed once per weight version, model/packed.py)
+        q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else packed_linear)
         T = step.token_pos.shape[0]
         kv.write(self.layer_idx, step, k[:T], v[:T])
         if step.chunks is not None:  # written before it is read: a row sees its own key (model/chunked.py)
@@ -136,7 +138,7 @@ class Attention(nn.Module):
             o = self._attend(q, k, v, step)
         else:
             o = self._attend(q, *kv.keys(self.layer_idx, step), step)
-        return self.o_proj(o)
+        return packed_linear(self.o_proj, o)
 
     def _pad(self, t: torch.Tensor, step: StepMeta) -> torch.Tensor:
         """[T, heads, D] packed -> [B, heads, max_q, D] (right-padded with zeros per sequence)."""
@@ -203,11 +205,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, calls: bool = False):
-        """calls: an invariant pass's products, in the probe's calls (model/chunked.py `in_calls`)."""
-        if calls:
-            return in_calls(self.down_proj, F.silu(in_calls(self.gate_proj, x)) * in_calls(self.up_proj, x))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, proj=None):
+        """proj(layer, x): how the products run (an invariant pass's in the probe's calls, model/chunked.py
+        `in_calls`; a plain engine pass's packed, model/packed.py); None: the modules themselves."""
+        proj = proj or (lambda layer, t: layer(t))
+        return proj(self.down_proj, F.silu(proj(self.gate_proj, x)) * proj(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -226,7 +228,8 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn.forward_shared(h, cos, sin, shared)
         else:
             x = x + self.self_attn.forward_full(h, cos, sin, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x), calls=step is not None and step.row_tile > 0)
+        proj = None if step is None else in_calls if step.row_tile > 0 else packed_linear
+        return x + self.mlp(self.post_attention_layernorm(x), proj)
 
 
 class Backbone(nn.Module):
@@ -292,7 +295,7 @@ class CausalLM(nn.Module):
         x, hidden = self._run_layers(x, positions, hidden_layers, step=step, kv=kv)
         x = x[logits_idx] if logits_idx is not None else x[:T]
         if not tile:
-            return self.lm_head(x), hidden
+            return packed_linear(self.lm_head, x), hidden
         return tiled_linear(self.lm_head, x, tile), {i: h[:T] for i, h in hidden.items()}
 
     def forward_shared(self, input_ids: torch.Tensor, positions: torch.Tensor, lay: SharedPrompts) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""Linear weights packed once per weight version for the CPU's oneDNN product (the engine's plain passes).
+
+`F.linear` on a CPU lays its weight out for the kernel on every call; a decode step's products have a few rows, so
+that costs as much as the product (SmolLM2-135M fp32, 12 rows, AMD Zen 3: the LM head 141 -> 71 ms, the layers'
+products 0.77x; benchmarks/RESULTS.md). vLLM's CPU backend and inductor's freezing pack once for the same reason.
+
+The pack is keyed by the weight's version counter and storage: an in-place update (a weight sync's `copy_`, an
+optimizer step) or a new tensor repacks at the next call, so a pass never reads stale weights. The packed product
+is the same product with other rounding, so it serves the plain passes (exact in distribution); the
+batch-invariant passes keep the module's own kernel, the one the start-up probe checked (engine/probe.py). Where
+oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) the layer runs unpacked."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+# products of more rows (a prefill) run unpacked: from 256 rows the packed kernel was 1.1-1.15x slower than F.linear,
+# at 12-64 rows 0.78x (Zen 3, fp32, 1 thread)
+PACK_ROWS = 64
+_UNPACKABLE = "unpackable"
+_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weight key, packed weight) or _UNPACKABLE
+
+
+def _key(w: torch.Tensor) -> tuple:
+    return w._version, w.data_ptr(), w.dtype
+
+
+def packed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), through a packed copy of layer.weight on a CPU for at most PACK_ROWS rows (no autograd: the
+    engine's passes only)."""
+    w = layer.weight
+    if x.device.type != "cpu" or torch.is_grad_enabled() or x.shape[0] > PACK_ROWS:
+        return layer(x)
+    state = _PACKS.get(layer)
+    if state is None or (state is not _UNPACKABLE and state[0] != _key(w)):
+        try:
+            state = (_key(w), torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
+        except (RuntimeError, AttributeError):  # no oneDNN pack for this dtype on this CPU
+            state = _UNPACKABLE
+        _PACKS[layer] = state  # kept beside the module, not in it: a deepcopy or pickle of the model never sees it
+    if state is _UNPACKABLE:
+        return layer(x)
+    return torch.ops.mkldnn._linear_pointwise(x, state[1], layer.bias, "none", [], "")
