@@ -82,3 +82,20 @@ def assert_falls_back(model, tok, verdict) -> None:
         log.removeHandler(handler)
     assert [r.levelno for r in records if name in r.getMessage()] == [logging.WARNING]
     assert not eng.runner.invariant and eng.invariance is verdict
+
+
+class StubSpot:
+    """A spot trainer as its lender sees it: it runs once resumed and stops when paused (or by itself)."""
+
+    running = False
+
+    def begin_step(self, rl_step: int, last_step_s: float) -> None:
+        pass
+
+    def resume(self) -> bool:
+        self.running = True
+        return True
+
+    def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
+        self.running = False
+        return True

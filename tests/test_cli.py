@@ -1,8 +1,8 @@
 import json
 
-from tailrl.cli import main
-
 import pytest
+
+from tailrl.cli import main
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
 from tailrl.console import RunConsole, eval_summary
@@ -16,6 +17,7 @@ from tailrl.console import RunConsole, eval_summary
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a whole `tailrl train` in a subprocess
 def test_train_into_a_file_gives_a_clean_log(tiny_chat, task_file, tmp_path):
     run = tmp_path / "run"
     args = [f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={run}",

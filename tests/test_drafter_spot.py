@@ -5,6 +5,7 @@ from another thread while rollouts run never hang); its seconds on a real machin
 import threading
 import time
 
+import pytest
 import torch
 
 from tailrl.drafter import DrafterConfig, EagleDrafter, make_speculator
@@ -13,9 +14,7 @@ from tailrl.drafter.propose import LearnedDrafter
 from tailrl.drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.speculative.config import SpecConfig
-from tests.helpers import tiny_draft_buffer
-
-import pytest
+from tests.helpers import StubSpot, tiny_draft_buffer
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 
@@ -153,17 +152,6 @@ def test_concurrent_rollout_and_spot_thread_do_not_deadlock(tiny_lm):
 
 def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
     """Once the spot trainer has spent its share mid-tail, the rollout gets its threads back at the next step."""
-    class StubSpot:
-        running = False
-
-        def resume(self):
-            self.running = True
-            return True
-
-        def pause(self, wait=True, timeout=None):
-            self.running = False
-            return True
-
     before = torch.get_num_threads()
     lender = SpotLender(StubSpot(), DraftBuffer(), DrafterConfig(), n_seqs=16, threads=2)  # tail: <= 4 running
     try:

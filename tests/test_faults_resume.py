@@ -4,13 +4,12 @@ applied, a cut-off metrics line survived (issue 12, class 4)."""
 import json
 import logging
 
+import pytest
 
 from tailrl.report import make_report
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import small_cfg
-
-import pytest
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 

@@ -73,6 +73,7 @@ def test_a_tiny_models_rollout(tiny_lm, mode):
         assert m["spec/tail_speedup_est"] > 0 and m["spec/body_speedup_est"] > 0
 
 
+@pytest.mark.slow  # a training run
 def test_a_training_step_logs_the_tail(tiny_chat, task_file, tmp_path):
     rows = [json.loads(x) for x in (train(small_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "trainer.save_every=0"))
                                     / "metrics.jsonl").read_text().splitlines()]
@@ -102,6 +103,7 @@ def test_one_tail_for_the_metrics_the_engine_stats_and_the_spot_lender():
     from tailrl.drafter.buffer import DraftBuffer
     from tailrl.drafter.config import DrafterConfig
     from tailrl.drafter.train import SpotLender
+    from tests.helpers import StubSpot
 
     assert [in_tail(r, 16) for r in (0, 1, 4, 5, 16)] == [False, True, True, False, False]
     assert tail_size(3) == 0 and not in_tail(1, 3)  # fewer than 4 sequences: no tail
@@ -110,19 +112,7 @@ def test_one_tail_for_the_metrics_the_engine_stats_and_the_spot_lender():
         stats.add(r)
     assert stats.tail_s == pytest.approx(split_tail(RECORDS, 8).tail_s)  # no prefill falls in this tail
 
-    class Spot:
-        running = False
-
-        def resume(self):
-            self.running = True
-            return True
-
-        def pause(self, wait=True, timeout=None):
-            self.running = False
-            return True
-
-    lender = SpotLender(Spot(), DraftBuffer(), DrafterConfig(), threads=1)
-    lender.spot.begin_step = lambda *a: None
+    lender = SpotLender(StubSpot(), DraftBuffer(), DrafterConfig(), threads=1)
     lender.begin_step(1, 10.0, n_seqs=8)
     lent = []
     for r in RECORDS[1:]:
