@@ -38,3 +38,33 @@ def assert_micro_batches_match_padded(model, batch, micros, adv, chunk: int) -> 
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
     model.zero_grad(set_to_none=True)
+
+
+NOISE_FACTOR = 8  # stated, not fitted: how far another cut of an update may land, in units of the measured noise
+
+
+def assert_same_update(a, b, noise: list) -> None:
+    """a, b and each of noise: (weights, optimizer, metrics) of one update computed in other cuts; the noise runs cut
+    it into micro-batches of other sizes (the same math, other orders of fp32 sums), and the farthest they land from
+    b is this machine's summation noise for the update: Adam divides each gradient by its own scale, so where
+    gradients nearly cancel, noise of a few ulps moves a weight by a visible part of a step, and by how much depends
+    on the CPU's kernels. a must equal b up to NOISE_FACTOR times that noise (the weights: the largest move of any
+    weight; Adam's moments and the loss: relative to their scale), plus 4 fp32 ulps at each tensor's scale; Adam's
+    step counts exactly."""
+    eps = torch.finfo(torch.float32).eps
+    (wa, oa, ma), (wb, ob, mb) = a, b
+    loss_noise = max(abs(m["actor/pg_loss"] - mb["actor/pg_loss"]) for _, _, m in noise)
+    assert abs(ma["actor/pg_loss"] - mb["actor/pg_loss"]) <= NOISE_FACTOR * loss_noise + 4 * eps * abs(mb["actor/pg_loss"])
+    pa, pb = list(wa.named_parameters()), list(wb.parameters())
+    moved = max(float((n - q).detach().abs().max()) for w, _, _ in noise for n, q in zip(w.parameters(), pb))
+    for key in ("exp_avg", "exp_avg_sq"):
+        rel = max(float((on.state[n][key] - ob.state[q][key]).abs().max()) / (float(ob.state[q][key].abs().max()) or 1)
+                  for w, on, _ in noise for n, q in zip(w.parameters(), pb))
+        for (name, p), q in zip(pa, pb):
+            got, want = oa.state[p][key], ob.state[q][key]
+            assert float((got - want).abs().max()) <= (NOISE_FACTOR * rel + 4 * eps) * float(want.abs().max()), \
+                f"{name} {key}"
+    for (name, p), q in zip(pa, pb):
+        assert int(oa.state[p]["step"]) == int(ob.state[q]["step"]), name
+        diff, bound = float((p - q).detach().abs().max()), NOISE_FACTOR * moved + 4 * eps * float(q.detach().abs().max())
+        assert diff <= bound, f"{name}: {diff:.3g} > {bound:.3g} (summation noise {moved:.3g})"
