@@ -16,6 +16,7 @@ torchvision it pulls breaks transformers, so it is uninstalled).
     .venv/bin/python benchmarks/vs_vllm.py --preset long          # the long preset: 1,024 tokens, levels 1-4
     .venv/bin/python benchmarks/vs_vllm.py --preset long --prompts 16   # the issue's size (tens of minutes here)
     .venv/bin/python benchmarks/vs_vllm.py --arms tailrl-off vllm-off --dtype bfloat16
+    .venv/bin/python benchmarks/vs_vllm.py --parallel --threads 1   # a shared machine: arms at once, same load
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -199,6 +201,8 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "tailrl" / "vllm-venv"))
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the arms at once (a shared machine: each arm sees the same load; needs memory for all)")
     ap.add_argument("--install-suffix", action="store_true", help="pip install arctic-inference into the venv")
     ap.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (default eager: start-up)")
     args = ap.parse_args()
@@ -222,17 +226,23 @@ def main() -> None:
             why_not["vllm-suffix"] = why
         elif why:
             why_not.update({a: why for a in vllm_arms})
+    def one(arm: str, d: Path) -> None:
+        t = time.perf_counter()
+        results[arm] = r = run_arm(arm, args, folder, epochs_reqs, max_len, d)
+        print(f"{arm}: {time.perf_counter() - t:.0f} s" + (f" ({r['error']})" if "error" in r else
+              f", first response: {r['epochs'][-1]['texts'][0][:80]!r}"), flush=True)
+
+    for arm in [a for a in args.arms if a in why_not]:
+        print(f"{arm}: skipped ({why_not[arm]})", flush=True)
+        results[arm] = {"skipped": why_not[arm]}
+    todo = [a for a in args.arms if a not in why_not]
     with tempfile.TemporaryDirectory() as d:
-        for arm in args.arms:
-            if arm in why_not:
-                print(f"{arm}: skipped ({why_not[arm]})", flush=True)
-                results[arm] = {"skipped": why_not[arm]}
-                continue
-            t = time.perf_counter()
-            results[arm] = run_arm(arm, args, folder, epochs_reqs, max_len, Path(d))
-            r = results[arm]
-            print(f"{arm}: {time.perf_counter() - t:.0f} s" + (f" ({r['error']})" if "error" in r else
-                  f", first response: {r['epochs'][-1]['texts'][0][:80]!r}"), flush=True)
+        if args.parallel:  # every arm under the same load: on a shared machine, fairer than one after the other
+            with ThreadPoolExecutor(len(todo)) as pool:
+                list(pool.map(lambda a: one(a, Path(d)), todo))
+        else:
+            for arm in todo:
+                one(arm, Path(d))
     report(results, args)
 
 
