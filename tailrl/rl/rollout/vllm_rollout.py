@@ -123,12 +123,15 @@ class VllmRollout:
                             for j, o in enumerate(sorted(out.outputs, key=lambda o: o.index)))
         st = GenerateStats(total_s=time.perf_counter() - t0, generated_tokens=sum(len(c.token_ids) for c in comps))
         st.decode_s = st.total_s
+        accepted = 0
         if self.proposer:
             spec = self.llm.collective_rpc(end_rollout)[0]
-            seq_steps = max(st.generated_tokens - spec["accepted"], 1)
-            st.draft_s = spec["draft_s"]
-            st.drafters["history"] = {"seq_steps": seq_steps, "proposals": spec["spec_steps"],
-                                      "drafted": spec["drafted"], "accepted": spec["accepted"]}
+            accepted, st.draft_s = spec["accepted"], spec["draft_s"]
+            st.drafters["history"] = {"seq_steps": max(st.generated_tokens - accepted, 1),
+                                      "proposals": spec["spec_steps"], "drafted": spec["drafted"], "accepted": accepted}
+        # each sequence-step emits one token plus the draft tokens it accepted: spec/accept_length as on our engine
+        st.batch_sizes = {1: max(st.generated_tokens - accepted, 1)}
+        st.by_bucket = {1: [float(st.generated_tokens), st.total_s]}
         comps.stats = self.engine.last_stats = st
         return comps
 
