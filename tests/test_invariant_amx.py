@@ -140,11 +140,15 @@ def test_folded_items_stay_out_of_the_packed_path(amx_attention, heads, kv_heads
 def test_the_old_folding_reaches_the_packed_path_and_the_probe_names_it(amx_attention, monkeypatch):
     """Folded items of up to 5 blocks whatever the group (a1b8f59): with 4 query heads a K/V head an item of 4 blocks
     has 64 rows and packs, so a block computes otherwise in it than alone, and the probe names that."""
-    monkeypatch.setattr(chunked, "PACK_ROWS", 10**6)
     model = random_model(8, 2)
+    capped = probe.probe_invariance(model)  # this CPU's kernels with the items capped: no call packs
+    monkeypatch.setattr(chunked, "PACK_ROWS", 10**6)
+    monkeypatch.setattr(probe, "_CACHE", {})
     verdict = probe.probe_invariance(model)
     assert amx_attention, "the old folding should have met the packed path"
-    assert not verdict.ok and "a block's rows differ in an item of 4 blocks" in verdict.summary(), verdict.summary()
+    assert not verdict.ok
+    if capped.ok:  # else this CPU's own kernels fail first, and the verdict names that
+        assert "a block's rows differ in an item of 4 blocks" in verdict.summary(), verdict.summary()
 
 
 def test_chunked_attention_with_split_head_groups_matches_dense_attention():
