@@ -57,7 +57,7 @@ def sweep(llm, SamplingParams, TokensPrompt, job: dict) -> dict:
 
 def main() -> None:
     job = json.loads(open(sys.argv[1]).read())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_gb", 2)))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(job.get("kv_gb", 2)))))  # whole GB only
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
