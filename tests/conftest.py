@@ -105,18 +105,22 @@ def make_tiny_chat_model(folder, seed: int = 0, words=TINY_WORDS):
     return folder
 
 
-@pytest.fixture(scope="module")
-def tiny_peaked(tmp_path_factory):
-    """A tiny random Llama with a 4-token vocabulary and peaked, context-dependent distributions."""
+def peaked_tiny_model(folder, vocab: int, scale: float, dtype=None):
+    """A tiny random Qwen2 (token ids, no tokenizer) whose LM head is scaled by `scale`: peaked,
+    context-dependent next-token distributions, so a chi-square sees a wrong one with few draws."""
     from tailrl.model import load_model
 
-    folder = tmp_path_factory.mktemp("tiny_v4")
-    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=4)
+    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=vocab)
     with torch.no_grad():
-        hf.lm_head.weight.mul_(4.0)
+        hf.lm_head.weight.mul_(scale)
     hf.save_pretrained(folder)
-    model, _ = load_model(str(folder), device="cpu")
-    return model
+    return load_model(str(folder), device="cpu", dtype=dtype)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_peaked(tmp_path_factory):
+    """A tiny random Qwen2 with a 4-token vocabulary and peaked, context-dependent distributions."""
+    return peaked_tiny_model(tmp_path_factory.mktemp("tiny_v4"), vocab=4, scale=4.0)
 
 
 @pytest.fixture(scope="module")

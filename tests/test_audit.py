@@ -69,16 +69,9 @@ def test_bad_config_is_named():
 @pytest.fixture(scope="module")
 def peaked_model(tmp_path_factory):
     """A tiny random Qwen2 with 8 tokens and peaked, context-dependent distributions (no tokenizer: token ids)."""
-    from tailrl.model import load_model
+    from tests.conftest import peaked_tiny_model
 
-    from tests.conftest import make_tiny_checkpoint
-
-    folder = tmp_path_factory.mktemp("tiny_v8")
-    hf = make_tiny_checkpoint(folder, "qwen2", seed=4, vocab=8)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(6.0)
-    hf.save_pretrained(folder)
-    return load_model(str(folder), device="cpu", dtype=torch.float32)[0]
+    return peaked_tiny_model(tmp_path_factory.mktemp("tiny_v8"), vocab=8, scale=6.0, dtype=torch.float32)
 
 
 def lossy_decide(real):

@@ -169,7 +169,7 @@ def test_no_usable_checkpoint_stops_with_an_error(tiny_chat, task_file, run, cap
 
 def test_an_old_format_folder_resumes_with_the_flag_exactly_and_is_rewritten(tiny_chat, task_file, tmp_path, caplog):
     def run_cfg(out, *extra):  # a reward the tiny model earns, so that every step updates the weights
-        return cfg(tiny_chat, task_file, out, "reward.functions=[tests.rl_helpers:count_a]", *extra)
+        return cfg(tiny_chat, task_file, out, "reward.functions=[tests.rl_helpers:count_a]", "trainer.seed=3", *extra)
 
     run = train(run_cfg(tmp_path / "run", "trainer.steps=2"))
     for ckpt in (run / "checkpoints").glob("step_*"):
@@ -184,7 +184,8 @@ def test_an_old_format_folder_resumes_with_the_flag_exactly_and_is_rewritten(tin
     assert not (step2 / PICKLED).exists() and read_state(step2)["step"] == 2
     full = train(run_cfg(tmp_path / "full", "trainer.steps=3"))  # never stopped
     a, b = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, run))
-    assert [r["step"] for r in b] == [1, 2, 3] and a[2]["actor/grad_norm"] > 0
+    # the premise: the steps update the weights (which steps have a zero-advantage batch follows the CPU's kernels)
+    assert [r["step"] for r in b] == [1, 2, 3] and any(r["actor/grad_norm"] > 0 for r in a[1:])
     for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_lengths"):
         assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-6), key
     # the weights after step 3 too: they depend on the optimizer state the old file held

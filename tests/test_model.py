@@ -195,3 +195,27 @@ def test_packed_linear_matches_and_follows_weight_updates():
     check()
     layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # a new tensor
     check()
+
+
+def test_an_engine_decodes_with_the_weights_a_fused_optimizer_step_left(tmp_path_factory):
+    """torch's fused AdamW updates parameters in place without moving their version counters, so a pack keyed by the
+    version alone went stale: an engine sharing the trainer's fp32 policy decoded from its first weights (a resumed
+    run then diverged from one never stopped). A new batch of requests repacks (model/packed.py, Engine.add_requests):
+    the engine's greedy tokens after the step equal a fresh engine's on a copy of the stepped model."""
+    import copy
+
+    from tailrl.engine import Engine, EngineConfig, SamplingParams
+    from tests.conftest import tiny_model
+
+    model = tiny_model(tmp_path_factory, dtype=torch.float32)
+    prompts, params = [[1, 5, 9, 2], [7, 3]], SamplingParams(temperature=0, max_tokens=12)
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.05))
+    before = [c.token_ids for c in eng.generate(prompts, params)]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    fresh = Engine(copy.deepcopy(model), None, EngineConfig(kv_cache_gb=0.05))
+    want = [c.token_ids for c in fresh.generate(prompts, params)]
+    assert want != before, "the step must change the greedy tokens for this test to mean anything"
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want

@@ -16,6 +16,7 @@ import torch
 
 from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
 from ..model.llama import CausalLM
+from ..model.packed import invalidate_packs
 from ..speculative.backoff import token_classes
 from ..speculative.speculator import Speculator
 from .config import EngineConfig
@@ -79,7 +80,8 @@ class Engine:
                      prompt_indices: list[int] | None = None) -> list[int]:
         """Queues each prompt's n samples; returns their sequence ids in (prompt, sample) order. A bad prompt
         fails alone: its samples come back from the next step with finish_reason "error" naming the problem."""
-        if not self.has_work():
+        if not self.has_work():  # a new batch: the weights may have moved since the last (model/packed.py)
+            invalidate_packs()
             self._pause_old_gc()
         sampling = sampling or SamplingParams()
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)

@@ -4,8 +4,12 @@
 that costs as much as the product (SmolLM2-135M fp32, 12 rows, AMD Zen 3: the LM head 141 -> 71 ms, the layers'
 products 0.77x; benchmarks/RESULTS.md). vLLM's CPU backend and inductor's freezing pack once for the same reason.
 
-The pack is keyed by the weight's version counter and storage: an in-place update (a weight sync's `copy_`, an
-optimizer step) or a new tensor repacks at the next call, so a pass never reads stale weights. The packed product
+The pack is keyed by the weight's version counter and storage, and by a generation that `invalidate_packs()` moves:
+a `copy_` into the weight or a new tensor repacks at the next call, and so does every pack after an invalidation.
+The version counter alone is not enough: torch's fused AdamW updates its parameters in place without moving their
+version counters (torch 2.13), so an engine sharing the trainer's fp32 policy decoded from the weights it first
+packed. The engine therefore invalidates its packs whenever a new batch of requests starts (Engine.add_requests):
+weights change between rollouts, never during one. The packed product
 is the same product with other rounding, so it serves the plain passes (exact in distribution); the
 batch-invariant passes keep the module's own kernel, the one the start-up probe checked (engine/probe.py). Where
 oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) the layer runs unpacked."""
@@ -22,10 +26,17 @@ from torch import nn
 PACK_ROWS = 64
 _UNPACKABLE = "unpackable"
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weight key, packed weight) or _UNPACKABLE
+_GENERATION = [0]
+
+
+def invalidate_packs() -> None:
+    """Every packed weight is repacked at its next call (the weights may have changed in a way that moved no version
+    counter, e.g. a fused optimizer step)."""
+    _GENERATION[0] += 1
 
 
 def _key(w: torch.Tensor) -> tuple:
-    return w._version, w.data_ptr(), w.dtype
+    return _GENERATION[0], w._version, w.data_ptr(), w.dtype
 
 
 def packed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
