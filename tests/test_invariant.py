@@ -237,18 +237,23 @@ def test_bf16_responses_do_not_depend_on_the_other_prompts(smollm_bf16):
     assert [c.token_ids for c in together[3:6]] == [c.token_ids for c in alone]
 
 
-def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path):
+def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path, tiny_chat, task_file):
     """The trainer's engine is invariant by default in bf16 where the probe holds: two steps of the default task
     (SmolLM2, bf16 engine, fp32 master) give the same rollouts, rewards and gradients with history drafts as with SD
     off, and report rollout/batch_invariant = 1. With rollout.batch_invariant=false the response lengths differed at
-    this size when it was written. Where the probe fails, a step reports rollout/batch_invariant = 0."""
+    this size when it was written. Where the probe fails, a step reports rollout/batch_invariant = 0. On a CPU
+    without bf16 matrix hardware (AVX2 only: bf16 products run oneDNN's reference path, under 0.5 GFLOP/s) the same
+    steps run the tiny chat model: SmolLM2's would take about an hour there."""
+    from tailrl.model.load import cpu_has_bf16
     from tailrl.rl.trainer import Trainer
 
+    model = [] if cpu_has_bf16() else [f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4",
+                                       "reward.functions=[tests.rl_helpers:count_a]", "reward.weights=[1.0]"]
     rows = {}
     for mode in ("off", "history"):  # history, not auto: auto's choice follows measured timings and may decode plainly
         cfg = load_config(None, [f"rollout.spec.mode={mode}", "trainer.prompts_per_step=4", "rollout.n=8",
                                  "rollout.max_tokens=48", "trainer.eval_every=0", "model.dtype=bfloat16",
-                                 f"trainer.out_dir={tmp_path / mode}", "rollout.spec.epsilon=0.3"])
+                                 f"trainer.out_dir={tmp_path / mode}", "rollout.spec.epsilon=0.3", *model])
         trainer = Trainer(cfg)
         try:
             verdict = probe_invariance(trainer.engine.model)
