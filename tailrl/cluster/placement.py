@@ -187,6 +187,24 @@ def place(units: list[Unit], workers: int, split: bool = True, cost: StepCost | 
     return plan
 
 
+def affine(plan: list[list[Unit]], live: list[int], last_worker) -> list[int]:
+    """The worker of each bin: placement fixed the bins' loads and any permutation keeps them, so each bin (most
+    samples first) goes to the free worker that ran most of its samples' prompts last time (its history drafter
+    holds them). last_worker(unit) -> that worker or None."""
+    order = sorted(range(len(plan)), key=lambda b: -sum(u.count for u in plan[b]))
+    free, out = list(live), [0] * len(plan)
+    for b in order:
+        votes: dict[int, int] = {}
+        for u in plan[b]:
+            w = last_worker(u)
+            if w in free:
+                votes[w] = votes.get(w, 0) + u.count
+        pick = max(votes, key=lambda w: (votes[w], -w)) if votes else free[0]
+        free.remove(pick)
+        out[b] = pick
+    return out
+
+
 def static_split(units: list[Unit], workers: int) -> list[list[Unit]]:
     """The baseline (verl's dispatch): contiguous chunks of equal unit count, in dataset order."""
     per = -(-len(units) // workers) if units else 0

@@ -20,7 +20,7 @@ from ..engine.tail import tail_size
 from .config import ClusterConfig
 from .cost import StepCost
 from .migrate import Candidate, plan_moves
-from .placement import LengthPredictor, Unit, length_metrics, place, prompt_key, static_split
+from .placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
 from .pool import LocalPool, RayPool, WorkerFailed
 from .workers import WorkerSpec
 
@@ -178,20 +178,8 @@ class ClusterRollout:
                 self.pool.call(w, "load_weights", self.weights, self.idle_state, timeout=self.cfg.step_timeout_s)
 
     def _affine(self, plan: list[list[Unit]], live: list[int]) -> list[int]:
-        """Bins to workers: placement fixed the bins' loads, any permutation keeps them, so each bin goes to the
-        free worker that ran most of its prompts last time (that worker's history drafter holds them)."""
-        order = sorted(range(len(plan)), key=lambda b: -sum(u.count for u in plan[b]))
-        free, out = list(live), [0] * len(plan)
-        for b in order:
-            votes: dict[int, int] = {}
-            for u in plan[b]:
-                w = self.last_worker.get(prompt_key(self.prompts[u.prompt_index]))
-                if w in free:
-                    votes[w] = votes.get(w, 0) + u.count
-            pick = max(votes, key=lambda w: (votes[w], -w)) if votes else free[0]
-            free.remove(pick)
-            out[b] = pick
-        return out
+        """Bins to workers, each to the one that ran most of its prompts last time (placement.affine)."""
+        return affine(plan, live, lambda u: self.last_worker.get(prompt_key(self.prompts[u.prompt_index])))
 
     def _add(self, w: int, units: list[Unit]) -> None:
         if not units:

