@@ -90,31 +90,38 @@ class VllmActor:
         return [float(d[t].logprob) for t, d in zip(seq[1:], out[0].prompt_logprobs[1:])]
 
 
+def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None) -> VllmCluster:
+    """rollout.workers VllmActors on Ray (local, or cluster.address), each started and answering."""
+    import ray
+
+    from ...cluster.workers import start_ray
+
+    r = cfg.rollout
+    start_ray(cfg.cluster.address)
+    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    actor = ray.remote(VllmActor).options(num_cpus=0 if gpus else r.worker_threads, num_gpus=gpus,
+                                          max_concurrency=1, max_restarts=0)
+    handles = [actor.remote(i, folder, dtype, cfg.trainer.seed, max_len, spec, r.max_num_seqs, r.worker_threads, env)
+               for i in range(r.workers)]
+    cluster = VllmCluster(ray, handles, cfg.cluster.placement, r.max_num_seqs, r.max_tokens / 2)
+    need = f"{gpus:g} GPU" if gpus else f"{r.worker_threads} CPU (rollout.worker_threads)"
+    try:  # Ray holds an actor until its resources are free: a timeout with the reason, not a hang
+        cluster._gather({i: h.ping.remote() for i, h in enumerate(handles)}, "start",
+                        max(cfg.cluster.step_timeout_s, 300.0), f"each needs {need}")
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
 class VllmCluster:
-    """The trainer's side: N VllmActors, prompts placed by predicted length, weights to all of them."""
+    """The trainer's side: N VllmActors (Ray handles), prompts placed by predicted length, weights to all."""
 
-    def __init__(self, cfg, folder: str, dtype: str, max_len: int, spec: dict | None):
-        import ray
-
-        from ...cluster.workers import start_ray
-
-        r = cfg.rollout
-        start_ray(cfg.cluster.address)
-        self.ray, self.placement, self.max_seqs = ray, cfg.cluster.placement, r.max_num_seqs
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-        actor = ray.remote(VllmActor).options(num_cpus=0 if gpus else r.worker_threads, num_gpus=gpus,
-                                              max_concurrency=1, max_restarts=0)
-        self.handles = [actor.remote(i, folder, dtype, cfg.trainer.seed, max_len, spec, r.max_num_seqs,
-                                     r.worker_threads, env) for i in range(r.workers)]
-        need = f"{gpus:g} GPU" if gpus else f"{r.worker_threads} CPU (rollout.worker_threads)"
-        try:  # Ray holds an actor until its resources are free: a timeout with the reason, not a hang
-            self._gather({i: h.ping.remote() for i, h in enumerate(self.handles)}, "start",
-                         max(cfg.cluster.step_timeout_s, 300.0), f"each needs {need}")
-        except BaseException:
-            self.shutdown()
-            raise
-        self.predictor = LengthPredictor(r.max_tokens / 2)
+    def __init__(self, ray, handles: list, placement: str = "histopipe", max_seqs: int = 256,
+                 prior_length: float = 256.0):
+        self.ray, self.handles, self.placement, self.max_seqs = ray, handles, placement, max_seqs
+        self.predictor = LengthPredictor(prior_length)
         self.cost = StepCost()
         self.last_worker: dict[int, int] = {}  # prompt key -> the actor that sampled it last
         self.where: list[int] = []  # the last rollout's actor of each prompt

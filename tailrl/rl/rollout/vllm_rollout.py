@@ -124,9 +124,9 @@ class VllmRollout:
         self.proposer = spec is not None and spec["method"] == "custom_class"
         self.llm, self.cluster = None, None
         if r.workers > 1:  # the audit above ran once, here; every actor builds the same LLM
-            from .vllm_ray import VllmCluster
+            from .vllm_ray import start_cluster
 
-            self.cluster = VllmCluster(cfg, hf_folder(cfg.model.path), vllm_dtype(self.dtype), max_len, spec)
+            self.cluster = start_cluster(cfg, hf_folder(cfg.model.path), vllm_dtype(self.dtype), max_len, spec)
         else:
             self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
                                 r.max_num_seqs)
