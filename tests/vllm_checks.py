@@ -160,6 +160,7 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
     try:
         ro = VllmRollout(cfg, model, tok)
         try:
+            assert ro.cluster.threads == [1, 1]  # rollout.worker_threads each: 2 actors on 2 cores
             assert [c.token_ids for c in ro.greedy(examples)] == [w[:16] for w in want]
             comps = ro.generate(examples, 0, None, 0.0)
             assert [(c.prompt_index, c.sample_index) for c in comps] == [(i, j) for i in range(6) for j in range(3)]

@@ -65,8 +65,9 @@ class VllmActor:
         self.llm = make_llm(folder, dtype, seed + index, max_len, spec, max_num_seqs)
         self.proposer = spec is not None and spec["method"] == "custom_class"
 
-    def ping(self) -> int:
-        return self.index
+    def ping(self) -> tuple[int, int]:
+        """(index, torch threads it computes with)."""
+        return self.index, torch.get_num_threads()
 
     def load_weights(self, weights: dict, dtype: torch.dtype, tied: bool) -> int:
         from .vllm_rollout import stream_weights
@@ -107,8 +108,9 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     cluster = VllmCluster(ray, handles, cfg.cluster.placement, r.max_num_seqs, r.max_tokens / 2)
     need = f"{gpus:g} GPU" if gpus else f"{r.worker_threads} CPU (rollout.worker_threads)"
     try:  # Ray holds an actor until its resources are free: a timeout with the reason, not a hang
-        cluster._gather({i: h.ping.remote() for i, h in enumerate(handles)}, "start",
-                        max(cfg.cluster.step_timeout_s, 300.0), f"each needs {need}")
+        started = cluster._gather({i: h.ping.remote() for i, h in enumerate(handles)}, "start",
+                                  max(cfg.cluster.step_timeout_s, 300.0), f"each needs {need}")
+        cluster.threads = [started[i][1] for i in range(len(handles))]
     except BaseException:
         cluster.shutdown()
         raise
@@ -125,6 +127,7 @@ class VllmCluster:
         self.cost = StepCost()
         self.last_worker: dict[int, int] = {}  # prompt key -> the actor that sampled it last
         self.where: list[int] = []  # the last rollout's actor of each prompt
+        self.threads: list[int] = []  # each actor's torch threads, as it reported at start
         self.metrics: dict = {}
 
     def __len__(self) -> int:
