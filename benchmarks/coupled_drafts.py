@@ -70,7 +70,7 @@ def steps_needed(seqs, depth: int, coupled: bool, classes: dict[int, int],
     for seed, prompt, output in seqs:
         drafter = NgramDrafter(SpecConfig(coupled=coupled))
         drafter.chains, drafter.classes, drafter.digits = True, classes, digits or {}
-        s = SimpleNamespace(seed=seed, prompt_ids=prompt, output_ids=output[:1], spec={},
+        s = SimpleNamespace(seq_id=0, seed=seed, prompt_ids=prompt, output_ids=output[:1],
                             params=SimpleNamespace(greedy=False))
         drafter.start(s)
         t, steps = 1, 0  # the first token comes from the prefill

@@ -72,7 +72,7 @@ def chains(ix: TokenIndex, ctx: list[int], k: int, width: int, min_match: int = 
 
 def own_ngram(prompt: list[int], out: list[int], k: int) -> list[int]:
     """What the engine's NgramDrafter drafts for a sequence with this prompt and output: a chain of up to k tokens."""
-    seq = SimpleNamespace(prompt_ids=prompt, output_ids=out, spec={})
+    seq = SimpleNamespace(seq_id=0, prompt_ids=prompt, output_ids=out)
     drafter = NgramDrafter(SpecConfig(mode="ngram"))
     drafter.start(seq)
     tree = drafter.propose_one(seq, k, k)

@@ -109,6 +109,31 @@ def test_abort_finishes_only_the_named_sequences(tiny):
     assert sorted(c.seq_id for c in rest) == ids[2:] and all(len(c.token_ids) == 16 for c in rest)
 
 
+def test_the_speculator_drops_a_sequences_state_when_it_finishes_aborts_or_leaves(tiny):
+    """Drafter state, draft depth and shadows live in the speculator, keyed by seq_id: every way out of the engine
+    drops them (a long-lived rollout engine would otherwise hold every sequence it ever ran)."""
+    eng, dest = engine(tiny, "auto"), engine(tiny, "auto")
+    sp = eng.speculator
+    ids = eng.add_requests(PROMPTS, SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert set(sp.seqs) == set(ids) and set(sp.drafters["ngram"].models) == set(ids)
+    eng.abort(ids[:1])
+    depths = [sp.depth(i) for i in ids[1:3]]
+    states = eng.export(ids[1:3])
+    assert all(d >= 1 for d in depths) and [st.spec_depth for st in states] == depths
+    assert ids[0] not in sp.seqs and [sp.depth(i) for i in ids[1:3]] == [0, 0]
+    moved = dest.import_(states)
+    assert [dest.speculator.depth(i) for i in moved] == depths  # drafts on at the depth it had
+    while eng.has_work():
+        eng.step()
+    while dest.has_work():
+        dest.step()
+    for e in (eng, dest):
+        assert not e.speculator.seqs
+        assert not e.speculator.drafters["ngram"].models and not e.speculator.drafters["history"].streams
+
+
 def test_the_kv_cache_is_laid_out_once_for_uniform_requests(tiny):
     eng = engine(tiny, "off")
     params = SamplingParams(n=4, max_tokens=12, seed=0, ignore_eos=True)

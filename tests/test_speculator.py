@@ -149,10 +149,14 @@ def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
     sp.selector.choose = lambda B, contexts=None: sp.selector.drafter_arms[-1]  # ngram:8
 
     class Seq:
-        prompt_ids, output_ids, max_tokens, spec_depth = [1, 2, 3], [4, 5], 64, 2
+        prompt_ids, output_ids, max_tokens = [1, 2, 3], [4, 5], 64
 
-    sp.plan([Seq()])
-    sp.plan([Seq() for _ in range(64)])
+        def __init__(self, seq_id):
+            self.seq_id = seq_id
+            sp.resume(seq_id, 2)  # its adaptive depth: 2
+
+    sp.plan([Seq(0)])
+    sp.plan([Seq(i) for i in range(64)])
     assert seen[0] == 8 and set(seen[1:]) == {2}
 
 

@@ -50,6 +50,9 @@ class _BatchDrafter:
     def accept(self, seq, tokens) -> None:
         pass
 
+    def release(self, seq_id: int) -> None:
+        pass
+
     def end_rollout(self) -> None:
         pass
 
@@ -61,6 +64,7 @@ class LearnedDrafter(_BatchDrafter):
         self.head = head
         self.cfg = cfg or DrafterConfig()
         self.kv = None
+        self.seen: dict[int, int] = {}  # seq_id -> positions the head has run over (its own cache holds them)
 
     def attach(self, kv) -> None:
         """Gives the head a KV cache in the target cache's slots, with room for tree entries past a sequence."""
@@ -69,7 +73,10 @@ class LearnedDrafter(_BatchDrafter):
     # ---- drafter interface ------------------------------------------------------------------------------
 
     def start(self, seq) -> None:
-        seq.spec["learned_len"] = 0
+        self.seen[seq.seq_id] = 0
+
+    def release(self, seq_id: int) -> None:
+        self.seen.pop(seq_id, None)
 
     @torch.inference_mode()
     def propose(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
@@ -102,7 +109,7 @@ class LearnedDrafter(_BatchDrafter):
         dev = self.head.fc.weight.device
         hs, ids, starts, lens = [], [], [], []
         for s in seqs:
-            done, c = s.spec.get("learned_len", 0), s.cache_len
+            done, c = self.seen.get(s.seq_id, 0), s.cache_len
             if done >= c:  # nothing new (cannot happen after a step): redo the last position
                 done = c - 1
             hs.append(s.hidden_rows(done, c))
@@ -110,7 +117,7 @@ class LearnedDrafter(_BatchDrafter):
             ids.extend(all_ids[done + 1 : c + 1])
             starts.append(done)
             lens.append(c - done)
-            s.spec["learned_len"] = c
+            self.seen[s.seq_id] = c
         step = make_step(starts, lens, [s.slot for s in seqs], dev)
         h = torch.cat(hs).to(device=dev, dtype=self.head.fc.weight.dtype)
         g = self.head.step(h, torch.tensor(ids, device=dev), step, self.kv)

@@ -142,7 +142,7 @@ class Engine:
         seqs = self.scheduler.remove(set(ids))
         for s in seqs:
             s.finish("abort")
-        return [s.to_completion() for s in seqs]
+        return self._complete(seqs)
 
     @torch.inference_mode()
     def export(self, ids: list[int]) -> list[SeqState]:
@@ -154,7 +154,11 @@ class Engine:
             raise ValueError(f"cannot export sequence ids {sorted(missing) or ids}: not running or waiting here, "
                              "or repeated")
         by_id = {s.seq_id: s for s in self.scheduler.remove(set(ids))}
-        return [export_state(by_id[i]) for i in ids]
+        sp = self.speculator
+        states = [export_state(by_id[i], sp.depth(i) if sp is not None else 0) for i in ids]
+        if sp is not None:
+            sp.release(ids)
+        return states
 
     def import_(self, states: list[SeqState]) -> list[int]:
         """Queues exported sequences; each re-prefills its prompt and tokens so far, then goes on exactly as it
@@ -163,6 +167,8 @@ class Engine:
         for st in states:
             s = import_state(self._next_id, st)
             self._next_id += 1
+            if self.speculator is not None:
+                self.speculator.resume(s.seq_id, st.spec_depth)
             try:
                 self._check_fits(s)
                 self.scheduler.add([s])
@@ -227,7 +233,13 @@ class Engine:
         finished += sched.release_finished()
         record.kv_bytes = self.runner.kv.used_bytes()
         record.preempted, sched.preempted = sched.preempted, 0
-        return StepOutput([s.to_completion() for s in finished], record)
+        return StepOutput(self._complete(finished), record)
+
+    def _complete(self, seqs: list[Sequence]) -> list[Completion]:
+        """Finished sequences leave: the speculator drops its state for them."""
+        if self.speculator is not None:
+            self.speculator.release([s.seq_id for s in seqs])
+        return [s.to_completion() for s in seqs]
 
     def collector(self, ids: list[int]) -> Collector:
         return Collector(ids)

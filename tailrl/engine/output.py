@@ -15,7 +15,7 @@ def append_tokens(s: Sequence, tokens: list[int], lps: list[float], tokenizer) -
     n = 0
     for tok, lp in zip(tokens, lps):
         if not s.output_ids:
-            s.t_first = time.perf_counter()
+            s.stats.t_first = time.perf_counter()
         s.output_ids.append(tok)
         s.logprobs.append(lp)
         n += 1

@@ -32,7 +32,7 @@ def prefill_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, 
         for s in g[1:]:  # the samples of a prompt share its prefill
             runner.fork(g[0].slot, s.slot, prefill_len(g[0]))
         for s in g:
-            s.t_admit, s.hidden = t, [chunk] if chunk is not None else []
+            s.stats.t_admit, s.hidden = t, [chunk] if chunk is not None else []
         if not g[0].output_ids:
             fresh += g
             rows += [i] * len(g)
@@ -67,8 +67,8 @@ def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, r
     for s, v in zip(running, verdicts):
         n = append_tokens(s, v.tokens, v.logprobs, tokenizer)
         v.tokens, v.logprobs = v.tokens[:n], v.logprobs[:n]
-        s.decode_steps += 1
-        s.decode_tokens += n
+        s.stats.decode_steps += 1
+        s.stats.decode_tokens += n
         emitted += n
     t3 = time.perf_counter()
     B = len(running)
@@ -77,6 +77,8 @@ def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, r
                         sum(len(t) for t in trees or () if t), emitted, emitted - B if arm != OFF else 0,
                         t1 - t0, t2 - t1 - cap, t3 - t2, t3 - t0 - cap, capture_s=cap)
     if speculator is not None:
-        speculator.observe(record, running, verdicts)
+        for s, drafts in zip(running, speculator.observe(record, running, verdicts)):
+            if drafts is not None:
+                s.stats.add_draft(*drafts)
         record.total_s = time.perf_counter() - t0 - cap  # the feedback (drafters' indexes, shadows) costs too
     return record

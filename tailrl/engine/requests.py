@@ -13,6 +13,7 @@ import torch
 
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .stats import SeqStats
 
 
 def encode(tokenizer, prompt) -> list[int]:
@@ -54,13 +55,14 @@ def make_group(first_id: int, index: int, ids: list[int], params: SamplingParams
     group = []
     for j in range(params.n):
         seed = params.seed + j if params.seed is not None else int(torch.randint(2**62, (1,), generator=rng))
-        group.append(Sequence(first_id + j, index, j, ids, params, seed, max_tokens, stop_ids, t))
+        group.append(Sequence(first_id + j, index, j, ids, params, seed, max_tokens, stop_ids, SeqStats(t)))
     return group
 
 
 def failed_group(first_id: int, index: int, params: SamplingParams, error: str) -> list[Sequence]:
     """A rejected request's samples, finished with the error that names the problem."""
-    group = [Sequence(first_id + j, index, j, [], params, 0, 0, frozenset(), time.perf_counter()) for j in range(params.n)]
+    group = [Sequence(first_id + j, index, j, [], params, 0, 0, frozenset(), SeqStats(time.perf_counter()))
+             for j in range(params.n)]
     for s in group:
         s.finish("error", error)
     return group
@@ -79,23 +81,17 @@ class SeqState:
     seed: int
     max_tokens: int
     stop_ids: list[int]
-    spec_depth: int = 0
-    stats: dict = field(default_factory=dict)  # decode_steps, decode_tokens, drafted, accepted, per_drafter
+    spec_depth: int = 0  # the speculator's adaptive draft depth for it (0: none yet)
+    stats: dict = field(default_factory=dict)  # SeqStats.portable(): decode_steps, decode_tokens, drafted, ...
 
 
-STAT_FIELDS = ("decode_steps", "decode_tokens", "drafted", "accepted", "per_drafter")
-
-
-def export_state(s: Sequence) -> SeqState:
+def export_state(s: Sequence, spec_depth: int) -> SeqState:
     return SeqState(s.prompt_index, s.sample_index, list(s.prompt_ids), list(s.output_ids), list(s.logprobs),
-                    s.params, s.seed, s.max_tokens, sorted(s.stop_ids), s.spec_depth,
-                    {k: getattr(s, k) for k in STAT_FIELDS})
+                    s.params, s.seed, s.max_tokens, sorted(s.stop_ids), spec_depth, s.stats.portable())
 
 
 def import_state(seq_id: int, st: SeqState) -> Sequence:
-    s = Sequence(seq_id, st.prompt_index, st.sample_index, list(st.prompt_ids), st.params, st.seed, st.max_tokens,
-                 frozenset(st.stop_ids), time.perf_counter(), output_ids=list(st.output_ids),
-                 logprobs=list(st.logprobs), spec_depth=st.spec_depth)
-    for k, v in st.stats.items():
-        setattr(s, k, v)
-    return s
+    """The sequence, counting on from the exported counts; the caller hands st.spec_depth to its speculator."""
+    return Sequence(seq_id, st.prompt_index, st.sample_index, list(st.prompt_ids), st.params, st.seed, st.max_tokens,
+                    frozenset(st.stop_ids), SeqStats(time.perf_counter(), **st.stats), output_ids=list(st.output_ids),
+                    logprobs=list(st.logprobs))

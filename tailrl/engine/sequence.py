@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import SamplingParams
+from .stats import SeqStats
 
 
 @dataclass
@@ -33,6 +34,10 @@ class Completion:
 
 @dataclass
 class Sequence:
+    """A sample being generated: its tokens, how it samples, where its KV lives, and whether it finished.
+    Its timings and counts are in `stats` (engine/stats.py); the speculator keeps its drafter state, draft
+    depth and shadow drafts by `seq_id` (speculative/speculator.py) and drops them when the sequence leaves."""
+
     seq_id: int
     prompt_index: int
     sample_index: int
@@ -41,25 +46,16 @@ class Sequence:
     seed: int  # with the output position, keys the sampling noise
     max_tokens: int  # params.max_tokens clamped to the context
     stop_ids: frozenset[int]
-    t_submit: float
+    stats: SeqStats = field(default_factory=SeqStats)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    slot: int = -1
+    slot: int = -1  # its row in the KV block tables while running
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
-    t_admit: float = 0.0
-    t_first: float = 0.0
-    t_finish: float = 0.0
-    spec: dict = field(default_factory=dict)  # drafter name -> that drafter's state for this sequence
-    spec_depth: int = 0  # adaptive per-request draft depth
-    shadow: dict = field(default_factory=dict)  # drafter name -> (output position, pending shadow draft path)
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_drafter: dict = field(default_factory=dict)  # drafter -> [drafted, accepted]
-    hidden: list = field(default_factory=list)  # chunks of the target's last hidden states, one row per cached token
+    # chunks of the target's last hidden states, one row per cached token, when the engine captures them (the
+    # learned drafter reads them; the completion returns them for drafter training)
+    hidden: list = field(default_factory=list)
 
     @property
     def cache_len(self) -> int:
@@ -85,10 +81,9 @@ class Sequence:
         return self.finish_reason is not None
 
     def finish(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason, self.error, self.t_finish = reason, error, time.perf_counter()
+        self.finish_reason, self.error, self.stats.t_finish = reason, error, time.perf_counter()
 
     def to_completion(self) -> Completion:
-        t0 = self.t_submit
         return Completion(
             seq_id=self.seq_id,
             prompt_index=self.prompt_index,
@@ -99,18 +94,7 @@ class Sequence:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason or "error",
             error=self.error,
-            timing={
-                "queue_s": max(self.t_admit - t0, 0.0) if self.t_admit else None,
-                "ttft_s": self.t_first - t0 if self.t_first else None,
-                "total_s": self.t_finish - t0 if self.t_finish else None,
-            },
+            timing=self.stats.timing(),
             hidden_states=self.hidden_rows(0, self.cache_len) if self.hidden and self.cache_len > 0 else None,
-            stats={
-                "decode_steps": self.decode_steps,
-                "drafted": self.drafted,
-                "accepted": self.accepted,
-                "accept_length": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
-                **{f"drafted/{k}": v[0] for k, v in self.per_drafter.items()},
-                **{f"accepted/{k}": v[1] for k, v in self.per_drafter.items()},
-            },
+            stats=self.stats.counts(),
         )

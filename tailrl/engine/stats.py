@@ -1,4 +1,5 @@
-"""What the engine did: one `StepRecord` per engine step, summed into `GenerateStats`.
+"""What the engine did: one `StepRecord` per engine step, summed into `GenerateStats`; each sequence's own
+timings and counts in its `SeqStats`.
 
 The engine only returns records; counting happens here, outside the decode loop. `GenerateStats.add` folds in
 one record and `merge` folds in another stats object, so workers' statistics combine: merging the stats of two
@@ -37,6 +38,52 @@ class StepRecord:
     kv_bytes: int = 0  # KV blocks in use after the step
     preempted: int = 0  # sequences preempted before the step's pass (to be recomputed)
     capture_s: float = 0.0  # CUDA-graph capture in this step (one-time per bucket; not in forward_s or total_s)
+
+
+@dataclass
+class SeqStats:
+    """One sequence's timings and decode counts: its Completion's `timing` and `stats`. The engine's passes count
+    decode steps and tokens, the speculator's feedback the draft nodes (`add_draft`); the counts travel with the
+    sequence when one engine exports it to another (`portable`), the timings start again there."""
+
+    t_submit: float = 0.0
+    t_admit: float = 0.0  # prefilled (again, after a preemption or an import)
+    t_first: float = 0.0  # first output token
+    t_finish: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    drafted: int = 0  # draft nodes verified
+    accepted: int = 0  # of them, emitted
+    per_drafter: dict = field(default_factory=dict)  # drafter -> [drafted, accepted]
+
+    def add_draft(self, drafter: str, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        per = self.per_drafter.setdefault(drafter, [0, 0])
+        per[0] += drafted
+        per[1] += accepted
+
+    def portable(self) -> dict:
+        """The counts an exported sequence carries (SeqState.stats): `SeqStats(t, **portable)` goes on counting."""
+        return {k: getattr(self, k) for k in ("decode_steps", "decode_tokens", "drafted", "accepted", "per_drafter")}
+
+    def timing(self) -> dict:
+        t0 = self.t_submit
+        return {
+            "queue_s": max(self.t_admit - t0, 0.0) if self.t_admit else None,
+            "ttft_s": self.t_first - t0 if self.t_first else None,
+            "total_s": self.t_finish - t0 if self.t_finish else None,
+        }
+
+    def counts(self) -> dict:
+        return {
+            "decode_steps": self.decode_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "accept_length": self.decode_tokens / self.decode_steps if self.decode_steps else 0.0,
+            **{f"drafted/{k}": v[0] for k, v in self.per_drafter.items()},
+            **{f"accepted/{k}": v[1] for k, v in self.per_drafter.items()},
+        }
 
 
 @dataclass

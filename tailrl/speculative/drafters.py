@@ -1,9 +1,10 @@
 """The Drafter protocol, and the model-free drafters: history (earlier epochs' and sibling responses to the same
 prompt) and prompt lookup.
 
-A drafter keeps its per-sequence state in `seq.spec[drafter.name]`; the speculator calls `start` when a
-sequence is admitted, `propose` for a batch before a verification step, `accept` with the tokens each step
-emitted, and `end_rollout` when a rollout (an RL step) ends."""
+A drafter keeps its per-sequence state itself, keyed by `seq.seq_id`; the speculator calls `start` when a
+sequence is prefilled, `propose` for a batch before a verification step, `accept` with the tokens each step
+emitted, `release` when the sequence finishes or leaves the engine, and `end_rollout` when a rollout (an RL
+step) ends."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class Drafter(Protocol):
 
     def accept(self, seq, tokens: list[int]) -> None: ...
 
+    def release(self, seq_id: int) -> None:
+        """The sequence finished or left the engine: drop its state (a no-op for one never started here)."""
+
     def end_rollout(self) -> None: ...
 
 
@@ -61,6 +65,9 @@ class ModelFreeDrafter(ABC):
     @abstractmethod
     def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
         """One tree of at most `budget` nodes and `depth` levels for this sequence, or None."""
+
+    def release(self, seq_id: int) -> None:
+        pass  # stateless per sequence; drafters that keep state drop it here
 
     def end_rollout(self) -> None:
         pass
@@ -111,6 +118,7 @@ class HistoryDrafter(ModelFreeDrafter):
         self.cfg = cfg
         self.prompts: OrderedDict[tuple[int, ...], PromptHistory] = OrderedDict()
         self.touched: set[tuple[int, ...]] = set()
+        self.streams: dict[int, tuple[PromptHistory, int]] = {}  # seq_id -> its prompt's history, its live stream
 
     def _entry(self, prompt: list[int]) -> PromptHistory:
         key = tuple(prompt)
@@ -127,10 +135,13 @@ class HistoryDrafter(ModelFreeDrafter):
         self.touched.add(tuple(seq.prompt_ids))
         sid = ph.start_live()
         ph.index.extend(sid, seq.output_ids)
-        seq.spec["history"] = (ph, sid)
+        self.streams[seq.seq_id] = (ph, sid)
+
+    def release(self, seq_id: int) -> None:
+        self.streams.pop(seq_id, None)  # its stream stays in the prompt's index: this epoch's history
 
     def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
-        ph, _ = seq.spec["history"]
+        ph, _ = self.streams[seq.seq_id]
         ctx = (seq.prompt_ids[-self.cfg.max_match :] + seq.output_ids)[-self.cfg.max_match - 1 :]
         m, occ = ph.index.match(ctx, self.cfg.max_match)
         if m < self.cfg.min_match:
@@ -139,7 +150,7 @@ class HistoryDrafter(ModelFreeDrafter):
         return build_tree(ph.index.streams, occ, TreeShape(budget, depth, self.cfg.min_prob, self.chains), self.name)
 
     def accept(self, seq, tokens: list[int]) -> None:
-        ph, sid = seq.spec["history"]
+        ph, sid = self.streams[seq.seq_id]
         ph.index.extend(sid, tokens)
 
     def observe_remote(self, prompt_ids: list[int], key: tuple[int, int], tokens: list[int]) -> None:
@@ -187,18 +198,22 @@ class NgramDrafter(ModelFreeDrafter):
         self.cfg = cfg
         self.classes: dict[int, int] = {}
         self.digits: dict[int, int] = {}
+        self.models: dict[int, TokenIndex | BackoffModel] = {}  # seq_id -> the model of its text
 
     def start(self, seq) -> None:
         text = seq.prompt_ids + seq.output_ids
         if self.cfg.coupled and not seq.params.greedy:
-            seq.spec["ngram"] = BackoffModel(text, self.classes, digits=self.digits)
+            self.models[seq.seq_id] = BackoffModel(text, self.classes, digits=self.digits)
             return
         index = TokenIndex(max_n=3, max_occurrences=16)
         index.add_stream(text)
-        seq.spec["ngram"] = index
+        self.models[seq.seq_id] = index
+
+    def release(self, seq_id: int) -> None:
+        self.models.pop(seq_id, None)
 
     def propose_one(self, seq, budget: int, depth: int) -> DraftTree | None:
-        model = seq.spec["ngram"]
+        model = self.models[seq.seq_id]
         if isinstance(model, BackoffModel):
             return coupled_chain(model, min(budget, depth), seq.seed, len(seq.output_ids), self.name)
         m, occ = model.match(model.streams[0][-self.cfg.max_match - 1 :], self.cfg.max_match)
@@ -208,7 +223,7 @@ class NgramDrafter(ModelFreeDrafter):
         return build_tree(model.streams, occ[-1:], shape, self.name)  # the most recent occurrence
 
     def accept(self, seq, tokens: list[int]) -> None:
-        model = seq.spec["ngram"]
+        model = self.models[seq.seq_id]
         if isinstance(model, BackoffModel):
             model.extend(tokens)
         else:
@@ -244,6 +259,9 @@ class FallbackDrafter:
         pass
 
     def accept(self, seq, tokens: list[int]) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
         pass
 
     def end_rollout(self) -> None:

@@ -5,12 +5,18 @@ tree per sequence; `observe(record, running, verdicts)` feeds the outcome back: 
 acceptance tables, each sequence's adaptive draft depth (doubles on full acceptance, halves on rejection),
 the drafters' view of the emitted tokens, and shadow drafts that measure the drafters not chosen.
 
+Per-sequence state lives here and in the drafters, keyed by the engine's seq_id: `start` makes it when a
+sequence is prefilled (again after a preemption: the depth and shadows stay), `release` drops it when the
+sequence finishes or leaves the engine (an export carries its depth: `depth`, then `resume` in the importer).
+
 Failure isolation is a rule here: a drafter that raises on a batch is retried one sequence at a time, and a
 sequence whose drafter raises or returns an invalid tree simply decodes without a draft this step."""
 
 from __future__ import annotations
 
 import logging
+
+from dataclasses import dataclass, field
 
 from .allocate import AcceptanceModel, allocate, fill_tile
 from .budgets import LengthTracker, block_budget, block_end, das_budgets
@@ -27,6 +33,14 @@ SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per uncho
 # no shadow drafts above this batch: acceptance is a property of the drafter, not the batch size, and the tail
 # of every rollout measures it; above it, shadows made the drafters index every token (TokenIndex is lazy)
 SHADOW_MAX_BATCH = 32
+
+
+@dataclass
+class SeqDraft:
+    """The speculator's state for one sequence."""
+
+    depth: int = 0  # adaptive draft depth (0: not started)
+    shadow: dict = field(default_factory=dict)  # drafter name -> (output position, pending shadow path, features)
 
 
 class Speculator:
@@ -51,6 +65,7 @@ class Speculator:
         self._contexts: list[int] = []
         self._planned: list[int] = []  # per sequence, the draft nodes of its arm (before fill_tile's)
         self._filled = 0  # nodes fill_tile added this step
+        self.seqs: dict[int, SeqDraft] = {}  # seq_id -> its state, from start to release
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
                classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0) -> None:
@@ -81,9 +96,27 @@ class Speculator:
 
     def start(self, seqs: list) -> None:
         for s in seqs:
-            s.spec_depth = s.spec_depth or self.cfg.init_depth
+            st = self.seqs.setdefault(s.seq_id, SeqDraft())
+            st.depth = st.depth or self.cfg.init_depth
             for d in self.drafters.values():
                 d.start(s)
+
+    def release(self, seq_ids: list[int]) -> None:
+        """These sequences finished or left the engine: their state here and in the drafters goes."""
+        for i in seq_ids:
+            if self.seqs.pop(i, None) is not None:
+                for d in self.drafters.values():
+                    d.release(i)
+
+    def depth(self, seq_id: int) -> int:
+        """The sequence's adaptive draft depth (0: never started), for an export to carry."""
+        st = self.seqs.get(seq_id)
+        return st.depth if st is not None else 0
+
+    def resume(self, seq_id: int, depth: int) -> None:
+        """An imported sequence drafts on at the depth it had where it ran (`start` follows at its prefill)."""
+        if depth:
+            self.seqs[seq_id] = SeqDraft(depth)
 
     def end_rollout(self) -> dict[str, float]:
         """Ends a rollout for every drafter; returns {drafter: 1.0 if its acceptance collapsed in it, else 0.0}."""
@@ -128,7 +161,7 @@ class Speculator:
         # some depth, and down to that depth a rejection costs nothing, so no request drafts less
         B = len(running)
         floor = max((d for d in self.selector.budgets if self.selector.cheap_rows(B, B * (1 + d))), default=0)
-        depths = [max(min(max(s.spec_depth, floor), r), 0) for s, r in zip(running, rooms)]
+        depths = [max(min(max(self.seqs[s.seq_id].depth, floor), r), 0) for s, r in zip(running, rooms)]
         if self.row_block > 1:  # chains (an invariant verifier): nodes = depth, cut to whole query blocks
             budgets = depths = [block_budget(min(b, d), self.row_block) for b, d in zip(budgets, depths)]
         fill = self.cfg.fill_tiles and self.row_tile > 1 and self.row_block > 1
@@ -178,9 +211,10 @@ class Speculator:
     def record_forward(self, tokens_in_pass: int, seconds: float) -> None:
         self.selector.record_forward(tokens_in_pass, seconds)
 
-    def observe(self, record, running: list, verdicts: list[Verdict]) -> None:
+    def observe(self, record, running: list, verdicts: list[Verdict]) -> list[tuple[str, int, int] | None]:
         """record: the decode step's StepRecord (its plain-decoding estimate is filled in here); verdicts: per
-        running sequence, the accepted nodes and the tokens actually emitted."""
+        running sequence, the accepted nodes and the tokens actually emitted. Returns per running sequence
+        (drafter, draft nodes verified, of them emitted), or None where it had no draft: the engine counts them."""
         B = len(running)
         cfg = self.cfg
         contexts = self._contexts if len(self._contexts) == B else None  # as planned (None: a step not planned)
@@ -201,7 +235,8 @@ class Speculator:
             own = record.accepted if not self._filled else sum(min(len(v.accepted_nodes), n)
                                                                for v, n in zip(verdicts, planned))
             self._watch(arm.drafter, "verified", own, record.drafted - self._filled, running)
-        for s, tree, v, n in zip(running, trees, verdicts, planned):
+        counts: list[tuple[str, int, int] | None] = [None] * B
+        for i, (s, tree, v, n) in enumerate(zip(running, trees, verdicts, planned)):
             if tree is not None:
                 if cfg.allocate or (cfg.fill_tiles and self.row_tile > 1):
                     self.odds.observe(tree, v.accepted_nodes)
@@ -209,18 +244,16 @@ class Speculator:
                 # nothing of the depth the arm should draft)
                 full = bool(v.accepted_nodes) and (len(v.accepted_nodes) >= n if len(tree) > n
                                                    else not tree.children(v.accepted_nodes[-1]))
-                s.spec_depth = min(2 * s.spec_depth, cfg.max_depth) if full else max(s.spec_depth // 2, cfg.min_depth)
+                st = self.seqs[s.seq_id]
+                st.depth = min(2 * st.depth, cfg.max_depth) if full else max(st.depth // 2, cfg.min_depth)
                 used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
-                s.drafted += len(tree)
-                s.accepted += used
-                per = s.per_drafter.setdefault(tree.drafter or "?", [0, 0])
-                per[0] += len(tree)
-                per[1] += used
+                counts[i] = (tree.drafter or "?", len(tree), used)
             for d in self.drafters.values():
                 d.accept(s, v.tokens)
             if s.finished:
                 self.lengths.add(s.prompt_ids, len(s.output_ids))
         self._shadow(running, arm.drafter)
+        return counts
 
     def _shadow(self, running: list, chosen: str) -> None:
         """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
@@ -234,10 +267,11 @@ class Speculator:
         for i, s in enumerate((running[start:] + running[:start])[:SHADOW_SEQS]):
             if s.finished:
                 continue
+            shadow = self.seqs[s.seq_id].shadow
             for d in others:  # drafters whose proposals cost forwards shadow on one sequence every 4th step
                 if d.costly and (i >= 1 or tick % 4):
                     continue
-                pending = s.shadow.get(d.name)
+                pending = shadow.get(d.name)
                 if pending is not None:
                     at, path, features = pending
                     got = s.output_ids[at:]
@@ -259,7 +293,7 @@ class Speculator:
                     path = tree.top_path() if tree else []
                     if path:
                         features = (tree.drafter, self.odds.path_features(tree)) if self.cfg.allocate else None
-                        s.shadow[d.name] = (len(s.output_ids), path, features)
+                        shadow[d.name] = (len(s.output_ids), path, features)
                     else:
-                        s.shadow.pop(d.name, None)
+                        shadow.pop(d.name, None)
                         self.selector.record_shadow(d.name, 0, 0)
