@@ -33,12 +33,10 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     source = d.train_file + (f" (eval: {d.eval_file})" if d.eval_file else "") if d.train_file else (
         f"built-in {d.task}" + (f", levels {', '.join(map(str, d.levels))}" if d.levels else ""))
-    drafter = " + learned drafter" if trainer.head is not None else ""
-    workers = f", {r.workers} Ray workers" if r.workers > 1 else ""
     rows = [
         ("model", f"{cfg.model.path} ({_count(params)} parameters)"),
-        ("precision", f"engine {_dtype(trainer.engine.model.dtype)}"
-                      + (" (batch-invariant)" if trainer.engine.runner.invariant else "")
+        ("precision", f"engine {_dtype(trainer.rollout.dtype)}"
+                      + (" (batch-invariant)" if trainer.rollout.batch_invariant else "")
                       + f"; trainer fp32 master + AdamW, compute {trainer.actor.mode}"
                       + (f", {t.world_size} ranks (FSDP2)" if t.world_size > 1 else "")),
         ("device", f"{device}{threads}"),
@@ -47,7 +45,7 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("steps", f"{t.steps} x {t.prompts_per_step} prompts x {r.n} samples, max {r.max_tokens} tokens, T {r.temperature:g}; "
                   f"eval every {t.eval_every or 'never'}, save every {t.save_every or 'end'}"),
         ("rollout", trainer.rollout.version),
-        ("speculation", trainer.rollout.spec_note if r.backend == "vllm" else f"{r.spec.mode}{drafter}{workers}"),
+        ("speculation", trainer.rollout.spec_note),
         ("run folder", f"{t.out_dir}" + (f" (resumed at step {trainer.step})" if resumed else "")),
     ]
     if loggers_where:

@@ -28,7 +28,7 @@ from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
-from .rollout.base import Rollout, step_seed  # noqa: F401 - step_seed: where callers found it before the roles split
+from .rollout.base import Rollout
 from .rollout.engine import make_rollout
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -73,6 +73,8 @@ class Trainer:
         rollout_dtype = resolve_dtype(cfg.model.dtype, device_of(cfg))
         # the actor holds the fp32 master (optimizer, checkpoints); the engine runs its own copy in rollout_dtype
         self.actor, engine_model, self.tokenizer = make_actor(cfg, rollout_dtype)
+        # world_size > 1: the ranks hold shards, and the engine's model (same names and shapes) stands for the policy
+        self.policy = self.actor.policy if cfg.trainer.world_size == 1 else engine_model
         self._check_context(engine_model.config.max_position_embeddings)
         self.samples: list[dict] = []  # rows for samples.jsonl from the last step (first, middle and last steps)
         self.rollout: Rollout = make_rollout(cfg, engine_model, self.tokenizer)
@@ -100,16 +102,11 @@ class Trainer:
             log.warning("data.max_prompt_tokens + rollout.max_tokens = %d exceeds the model's context (%d): responses "
                         "to the longest prompts are cut short", c.rollout.max_tokens + c.data.max_prompt_tokens, ctx)
 
-    # the roles' parts, for tests and tools that inspect a trainer (the loop below calls the roles only)
+    # the roles' parts, for tests and tools that inspect a trainer; the trainer's own code calls the roles only
     engine = property(lambda self: self.rollout.engine)
     head = property(lambda self: self.rollout.head)
     spot = property(lambda self: self.rollout.spot)
     drafter_trainer = property(lambda self: self.rollout.drafter_trainer)
-    cluster = property(lambda self: self.rollout.cluster)
-    history = property(lambda self: self.rollout.history)
-    # world_size > 1: the ranks hold shards, and the engine's model (same names and shapes) stands for the policy
-    policy = property(lambda self: self.actor.policy if self.cfg.trainer.world_size == 1 else self.engine.model)
-    prec = property(lambda self: self.actor.prec)
     optimizer = property(lambda self: self.actor.optimizer)
 
     def close(self) -> None:
@@ -209,7 +206,7 @@ class Trainer:
         state = {"step": self.step, "optimizer": self.actor.optimizer_state(final), "loader": self.loader.state_dict(),
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **self.rollout.state()}
         return save_checkpoint(self.out / "checkpoints", self.step, self.actor, self.tokenizer, state, self._config(),
-                               self.head, t.keep_checkpoints, final)
+                               self.rollout.head, t.keep_checkpoints, final)
 
     def _config(self) -> dict:
         return json.loads(json.dumps(to_dict(self.cfg)))
@@ -219,7 +216,7 @@ class Trainer:
         checked against this trainer first (checkpoint/state_check.py), so that what follows cannot fail half way."""
         root = self.out / "checkpoints"
         r = self.rollout
-        opt = self.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
+        opt = self.actor.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
         got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(), opt, r.drafter_trainer, r.head,
                                                                self.actor.tied),
                               self.cfg.trainer.trust_pickled_state)

@@ -20,6 +20,9 @@ def step_seed(seed: int, step: int, prompt: int) -> int:
 
 class Rollout(Protocol):
     version: str  # what samples, for the run's header ("tailrl engine", "vLLM 0.32.0")
+    spec_note: str  # what speculates, for the run's header ("auto + learned drafter, 2 Ray workers")
+    # a sequence's tokens do not depend on the batch it ran in (engine/invariant.py): speculation changes none
+    batch_invariant: bool
     # True: the backend holds its own copy of the weights and is sent them after every update (vLLM); False: at
     # world size 1 our engine runs the actor's module (the policy or its bf16 compute copy), updated in place
     streams_policy: bool

@@ -73,6 +73,16 @@ class EngineRollout:
     def dtype(self) -> torch.dtype:
         return self.engine.model.dtype
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self.engine.runner.invariant  # the start-up probe's verdict (engine/probe.py)
+
+    @property
+    def spec_note(self) -> str:
+        r = self.cfg.rollout
+        return (r.spec.mode + (" + learned drafter" if self.head is not None else "")
+                + (f", {r.workers} Ray workers" if r.workers > 1 else ""))
+
     def encode(self, prompt) -> list[int]:
         return self.engine.encode(prompt)
 
@@ -136,7 +146,7 @@ class EngineRollout:
         return col.result()
 
     def _rollout_metrics(self, stats) -> dict:
-        return {"rollout/batch_invariant": float(self.engine.runner.invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,
+        return {"rollout/batch_invariant": float(self.batch_invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,
                 **stats.metrics()}
 
     def greedy(self, examples: list) -> list:

@@ -109,6 +109,7 @@ class VllmRollout:
     """The `Rollout` (base.py) on vLLM: a vllm.LLM from the policy's HF folder, weights streamed by name."""
 
     streams_policy = True  # the actor sends weights after every step even where our engine would share them
+    batch_invariant = False  # vLLM's batch-invariant mode is not enabled here
 
     def __init__(self, cfg: Config, engine_model: torch.nn.Module, tokenizer):
         self.cfg = cfg
