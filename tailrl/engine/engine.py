@@ -242,13 +242,16 @@ class Engine:
         return [s.to_completion() for s in seqs]
 
     def collector(self, ids: list[int]) -> Collector:
-        return Collector(ids)
+        """Gathers these requests' completions and stats from the steps a caller drives; `last_stats` follows its
+        stats from now on (the rollout running now: what a progress line reads)."""
+        col = Collector(ids)
+        self.last_stats = col.stats
+        return col
 
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> Completions:
         """Returns one Completion per sample, ordered by (prompt, sample); `.stats` holds this call's stats."""
         col = self.collector(self.add_requests(prompts, sampling))
-        self.last_stats = col.stats
         with progress_bar(len(col.ids), progress) as bar:
             while self.has_work():
                 out = self.step()

@@ -130,7 +130,7 @@ class EngineRollout:
             self.drafter_trainer.model.sync_head()
             self.lender.begin_step(step, last_step_s, n_seqs=r.n * len(examples))
         col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
-        self.engine.last_stats, records = col.stats, []  # the records: the rollout's tail metrics (tail.py)
+        records = []  # the rollout's tail metrics (tail.py) come from its step records
         try:
             while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
                 out = self.engine.step()
