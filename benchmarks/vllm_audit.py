@@ -66,7 +66,7 @@ def main() -> None:
         spec = spec_dict(method, args.k)
         t0 = time.perf_counter()
         try:
-            llm = make_llm(folder, args.dtype, args.seed + (method != "off"), 1024, spec)
+            llm = make_llm(folder, args.dtype, args.seed + (method != "off"), 256 if args.tiny else 1024, spec)
         except Exception as e:  # a method this build lacks (suffix needs arctic-inference): say so, go on
             print(f"{method}: could not start ({type(e).__name__}: {str(e)[:200]})", flush=True)
             continue

@@ -38,7 +38,8 @@ def log_floor(max_emitted: int, vocab: int, a: float) -> float:
     """log eps: a lossless sampler that emits at most `max_emitted` tokens from a vocabulary of `vocab` emits one of
     target probability below eps with probability at most a (module docstring)."""
     if max_emitted < 1 or vocab < 1 or not 0 < a < 1:
-        raise ValueError(f"log_floor needs max_emitted >= 1, vocab >= 1 and a in (0, 1); got {max_emitted}, {vocab}, {a}")
+        raise ValueError(f"log_floor needs max_emitted >= 1, vocab >= 1 and a in (0, 1); "
+                         f"got {max_emitted}, {vocab}, {a}")
     return math.log(a) - math.log(max_emitted) - math.log(vocab)
 
 
