@@ -210,6 +210,11 @@ class KVCache:
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
 
+    def block_table(self) -> torch.Tensor:
+        """[rows, width] int64: the pool block of each row's positions BLOCK * c .. BLOCK * (c + 1) - 1 (kernels that
+        read the pools in place take it)."""
+        return self.tables.tables
+
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Moves tokens within rows: token src[i] of row slots[i] to position dst[i] (the accepted paths of draft
         trees, all sequences in one indexing op per layer)."""

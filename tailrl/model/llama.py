@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import paged_attention
 from .chunked import chunked_attention, in_calls, pad_rows, tiled_linear
 from .config import ModelConfig
 from .packed import packed_linear
@@ -125,7 +126,8 @@ class Attention(nn.Module):
         """Writes the new tokens' K/V at their rows' (slot, position) in the paged cache `kv` (engine/kv_cache.py),
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
         invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
-        gathered up to the pass's longest, under step.mask."""
+        gathered up to the pass's longest, under step.mask (a decode pass on a CPU: read in place by our kernel,
+        model/paged_attention.py)."""
         # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls; a plain
         # pass: weights packed once per weight version, model/packed.py)
         q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else packed_linear)
@@ -136,6 +138,11 @@ class Attention(nn.Module):
             return in_calls(self.o_proj, pad_rows(o, x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
+        elif step.max_q == 1 and paged_attention.supports(q, kv.pools(self.layer_idx)[0]):  # decode: keys read in place
+            B = step.num_seqs
+            o = paged_attention.paged_attention(q.view(B, 1, self.n_heads, self.head_dim), *kv.pools(self.layer_idx),
+                                                kv.block_table(), step.slots, step.mask.view(B, 1, -1))
+            o = o.view(B, self.n_heads * self.head_dim)
         else:
             o = self._attend(q, *kv.keys(self.layer_idx, step), step)
         return packed_linear(self.o_proj, o)

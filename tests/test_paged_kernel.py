@@ -1,0 +1,143 @@
+"""Our decode attention kernel (model/paged_attention.py, csrc/paged_attention.c): it reads the paged KV cache in
+place and equals attention over the gathered keys within a floating-point bound; a row's bits do not depend on the
+rest of the pass; the engine decodes the same logits with it as without it (within the bound); and where it cannot be
+built the engine runs without it."""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import paged_attention as pa
+from tailrl.speculative.config import SpecConfig
+from tests.conftest import tiny_model
+
+needs_kernel = pytest.mark.skipif(not pa.available(), reason=f"the kernel is not built here: {pa._WHY}")
+
+BLOCK = 16
+
+
+def _case(seed, B=5, Q=1, H=6, KVH=2, D=32, max_len=150, dtype=torch.float32):
+    """Random pools whose blocks are shuffled over the rows, random lengths, a causal mask over each row's new
+    tokens (as a decode or verify pass sees them)."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max_len // BLOCK)
+    nblk = B * width + 3
+    k_pool = torch.randn(KVH, nblk, BLOCK, D, generator=g).to(dtype)
+    v_pool = torch.randn(KVH, nblk, BLOCK, D, generator=g).to(dtype)
+    table = (torch.randperm(nblk - 1, generator=g)[: B * width] + 1).view(B, width)
+    slots = torch.randperm(B, generator=g)
+    lens = torch.randint(Q, max_len + 1, (B,), generator=g)
+    K = int(lens.max())
+    j = torch.arange(K).view(1, 1, K)
+    start = (lens - Q).view(B, 1, 1)
+    mask = (j < start) | ((j >= start) & (j <= start + torch.arange(Q).view(1, Q, 1)))
+    q = torch.randn(B, Q, H, D, generator=g).to(dtype)
+    return q, k_pool, v_pool, table, slots, mask
+
+
+def _reference(q, k_pool, v_pool, table, slots, mask):
+    """float64 attention over each sequence's gathered keys: [B, Q, H, D]."""
+    B, Q, H, D = q.shape
+    KVH, K = k_pool.shape[0], mask.shape[2]
+    idx = table[slots].reshape(-1)
+    keys, vals = (p.double().index_select(1, idx).view(KVH, B, -1, D)[:, :, :K].transpose(0, 1) for p in (k_pool, v_pool))
+    keys, vals = (t.repeat_interleave(H // KVH, dim=1) for t in (keys, vals))
+    s = q.double().transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    return (s.softmax(-1) @ vals).transpose(1, 2)
+
+
+def _bound(q, k_pool, v_pool, mask):
+    """A forward error bound for fp32 attention: scores carry at most D * u * sum|q_d k_d| / sqrt(D) of error each
+    (a dot product of D terms), which moves each softmax weight by at most twice that relatively; normalising over K
+    keys and the weighted sum add K + D roundings more; the output errs by at most (2 * D * S + 2 * K + 16) * u *
+    max|v|, S the largest sum|q_d k_d| / sqrt(D). u = 2^-24."""
+    D, K = q.shape[-1], mask.shape[2]
+    S = (q.double().abs().amax() * k_pool.double().abs().amax() * D / math.sqrt(D)).item()
+    return (2 * D * S + 2 * K + 16) * 2.0**-24 * v_pool.double().abs().amax().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("Q", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_kernel_equals_attention_over_the_gathered_keys_within_an_fp32_bound(seed, Q):
+    case = _case(seed, Q=Q)
+    out, ref = pa.paged_attention(*case), _reference(*case)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= _bound(case[0], case[1], case[2], case[5]), err
+
+
+@needs_kernel
+def test_bf16_is_computed_in_fp32_and_rounded_once():
+    case = _case(3, dtype=torch.bfloat16)
+    out, ref = pa.paged_attention(*case), _reference(*case)
+    assert out.dtype == torch.bfloat16
+    # the fp32 bound plus the final rounding to bf16 (half an ulp: 2^-9 of the value)
+    tol = _bound(case[0], case[1], case[2], case[5]) + 2.0**-9 * ref.abs()
+    assert ((out.double() - ref).abs() <= tol).all()
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_pass():
+    q, k_pool, v_pool, table, slots, mask = _case(4, B=6, Q=3)
+    full = pa.paged_attention(q, k_pool, v_pool, table, slots, mask)
+    for b in (0, 3, 5):
+        n = int(mask[b].sum(-1).max())  # alone: only as many keys as this sequence's rows see
+        alone = pa.paged_attention(q[b : b + 1], k_pool, v_pool, table, slots[b : b + 1], mask[b : b + 1, :, :n])
+        assert torch.equal(alone, full[b : b + 1])
+        one_row = pa.paged_attention(q[b : b + 1, 1:2], k_pool, v_pool, table, slots[b : b + 1], mask[b : b + 1, 1:2])
+        assert torch.equal(one_row[0, 0], full[b, 1])
+    spare = table.shape[1] * BLOCK - mask.shape[2]  # padded to as many keys as the table holds
+    wider = torch.cat([mask, torch.zeros(*mask.shape[:2], spare, dtype=torch.bool)], -1)
+    assert torch.equal(pa.paged_attention(q, k_pool, v_pool, table, slots, wider), full)
+
+
+@needs_kernel
+def test_a_hidden_key_changes_nothing_and_a_seen_one_does():
+    q, k_pool, v_pool, table, slots, mask = _case(5, B=2)
+    out = pa.paged_attention(q, k_pool, v_pool, table, slots, mask)
+    hidden = int(mask[0, 0].sum())  # the first key row 0 does not see; change its block's values
+    blk, pos = table[slots[0], hidden // BLOCK], hidden % BLOCK
+    v2 = v_pool.clone()
+    v2[:, blk, pos] += 100
+    assert torch.equal(pa.paged_attention(q, k_pool, v2, table, slots, mask)[0], out[0])
+    v2 = v_pool.clone()
+    v2[:, table[slots[0], 0], 0] += 100  # key 0, which it sees
+    assert not torch.equal(pa.paged_attention(q, k_pool, v2, table, slots, mask)[0], out[0])
+
+
+@needs_kernel
+def test_the_engine_decodes_the_same_with_and_without_the_kernel(tmp_path_factory, monkeypatch):
+    """Greedy decoding of a tiny model: the same tokens, and logprobs within the fp32 noise of a 2-layer model
+    (1e-4 nats: two attention outputs' errors, each under the bound above, through the logits)."""
+    model = tiny_model(tmp_path_factory, "llama", seed=3)
+    prompts = [list(range(3, 3 + n)) for n in (9, 30, 17, 44)]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+
+    def run():
+        eng = Engine(model, None, EngineConfig(kv_cache_gb=0.05, spec=SpecConfig(mode="off"), seed=0))
+        return eng.generate(prompts, params)
+
+    with_kernel = run()
+    monkeypatch.setattr(pa, "_LIB", [None])
+    without = run()
+    for a, b in zip(with_kernel, without):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_without_a_compiler_the_engine_gathers_and_says_why_at_info(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(pa, "_LIB", [])
+    monkeypatch.setattr(pa, "_WHY", [])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TAILRL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger=pa.__name__):
+        assert not pa.available()
+    assert "paged decode attention kernel off" in caplog.text and "no-such-cc" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    q, k_pool, v_pool, table, slots, mask = _case(6)
+    assert not pa.supports(q, k_pool)
