@@ -29,11 +29,11 @@ def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict]) -> dict:
     # the engine-wide LLM(seed=...) makes a run reproducible instead
     params = [SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"] or -1,
                              max_tokens=r["max_tokens"]) for r in reqs]
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
     lengths = [len(c.token_ids) for o in outs for c in o.outputs]
-    return {"wall_s": wall, "tokens": sum(lengths), "lengths": lengths,
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(lengths), "lengths": lengths,
             "texts": [c.text for o in outs for c in o.outputs][:4]}
 
 
