@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -91,7 +90,6 @@ class EngineView:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self.runner = SimpleNamespace(invariant=False)
         self.num_running = self.num_waiting = 0
         self.last_stats = GenerateStats()
 
