@@ -244,6 +244,7 @@ def _run_isa(isa: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a bf16 engine in a process of its own per ISA cap
 @pytest.mark.parametrize("isa", ISAS + ["AVX512_CORE_AMX"])
 def test_engine_is_invariant_or_says_why_under_each_cpu_isa(isa):
     """oneDNN picks other bf16 kernels under each ISA cap (AMX, AVX512-BF16, plain AVX-512, AVX2): in a process of

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow  # vLLM engines in a pytest process of their own: about two minutes
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM not installed: bash scripts/setup.sh --vllm (docs/vllm.md)")
 def test_vllm_backend_checks():
