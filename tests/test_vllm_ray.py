@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tailrl.rl.rollout.vllm_ray import VllmCluster, pinned_cpus
-from tailrl.rl.rollout.vllm_rollout import Drawn
+from tailrl.rl.rollout.vllm_rollout import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
 
 
 class Ref:
@@ -121,3 +121,18 @@ def test_pinned_cores_per_actor():
     assert pinned_cpus("nobind", 3) is None and pinned_cpus("auto", 0) is None
     with pytest.raises(ValueError, match="2 core lists, one per vLLM actor: actor 2 has none"):
         pinned_cpus("0|1", 2)
+
+
+def test_a_weight_sync_keeps_vllms_expected_reload_warnings_out_of_the_log(caplog):
+    """vLLM warns "<module>: Failed to load weights" at every sync for the tied LM head and the rotary embedding
+    (nothing to load there by design): filtered; the same warning for any other module still reaches the log."""
+    import logging
+
+    quiet_expected_reload_warnings()
+    quiet_expected_reload_warnings()  # idempotent
+    log = logging.getLogger(RELOAD_LOGGER)
+    assert len(log.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=RELOAD_LOGGER):
+        for name in ("ParallelLMHead", "RotaryEmbedding", "QKVParallelLinear"):
+            log.warning("%s: Failed to load weights", name)
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]

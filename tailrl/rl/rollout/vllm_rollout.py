@@ -12,6 +12,8 @@ rollout.workers > 1: one LLM per Ray actor (vllm_ray.py), the same calls and `Co
 
 from __future__ import annotations
 
+import logging
+
 import time
 from dataclasses import dataclass
 
@@ -65,10 +67,34 @@ def stream_weights(llm, named, dtype: torch.dtype, tied: bool) -> int:
             sent[0] += t.numel() * t.element_size()
             yield name, t
 
+    llm.collective_rpc(quiet_expected_reload_warnings)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     if tied:
         llm.collective_rpc(retie_lm_head)
     return sent[0]
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+# modules vLLM's layerwise reload warns about at every weight sync although nothing is wrong: a tied LM head (skipped
+# on purpose, retied below) and the rotary embedding (no weights in a checkpoint, its cache restored by vLLM)
+EXPECTED_UNLOADED = ("ParallelLMHead", "RotaryEmbedding")
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<module>: Failed to load weights" for the modules a weight sync leaves unloaded by design, so a
+    run's log keeps WARNING for what a user should act on; any other module's stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.endswith(": Failed to load weights") and msg.split(":")[0] in EXPECTED_UNLOADED)
+
+
+def quiet_expected_reload_warnings(worker=None) -> None:
+    """Installs ExpectedReloadWarnings on vLLM's reload logger in the process it runs in (collective_rpc: the
+    worker's), once."""
+    log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, ExpectedReloadWarnings) for f in log.filters):
+        log.addFilter(ExpectedReloadWarnings())
 
 
 def retie_lm_head(worker) -> None:
