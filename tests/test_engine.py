@@ -18,6 +18,7 @@ def engine(smollm):
     return Engine(model, tok, EngineConfig(kv_cache_gb=1.0))
 
 
+@pytest.mark.slow  # SmolLM2 in transformers beside ours
 def test_greedy_equals_transformers_generate(engine, hf_smollm):
     outs = engine.generate(CHATS[:3], SamplingParams(temperature=0, max_tokens=24))
     for prompt, out in zip(CHATS[:3], outs):
@@ -168,6 +169,7 @@ def test_invalid_engine_config_names_the_field():
         EngineConfig(kv_cache_gb=0)
 
 
+@pytest.mark.slow  # SmolLM2 in bf16, twice
 def test_bf16_greedy_equals_transformers_bf16_except_near_ties(hf_smollm):
     """The bf16 engine against transformers' own bf16 greedy decoding. Both round in bf16 but block their matrix
     products differently, so where the two best logits are within a few bf16 steps the argmax may flip: at the

@@ -30,15 +30,19 @@ def smollm_bf16():
 
 
 @pytest.mark.parametrize("allocate", [False, True])
-def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(smollm_bf16, allocate):
+def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(request, tiny_chat, allocate):
     """Exact equality of every sampled token, no near-tie allowance: without the invariant passes this fails
     (18 of 32 responses diverged when it was measured). The selector's arms are taken in turn (history at budgets
     2, 7 and 15, and plain decoding), and sequences without a match decode plainly beside drafted ones, so tokens
     meet passes of many shapes: plain and verify, batch 32 down to a lone sequence. With `allocate` the drafts are cut by their odds, which may change what is
     verified but never what is emitted. (Mode history, not auto: auto's choice of plain decoding follows measured
     timings, and in one full-suite run it chose plain for every step and the test exercised nothing; here the
-    arms are taken in turn.)"""
-    model, tok = smollm_bf16
+    arms are taken in turn.) On a CPU without bf16 matrix hardware (AVX2 only: oneDNN's reference path) the tiny chat
+    model runs instead of SmolLM2, whose rollouts took 4 minutes a case there."""
+    from tailrl.model.load import cpu_has_bf16
+
+    model, tok = (request.getfixturevalue("smollm_bf16") if cpu_has_bf16()
+                  else load_model(tiny_chat, device="cpu", dtype=torch.bfloat16))
     verdict = probe_invariance(model)
     if not verdict.ok:  # this CPU's kernels break the passes: the engine must say so (the distribution test covers SD)
         return assert_falls_back(model, tok, verdict)

@@ -13,6 +13,7 @@ from tailrl.speculative.tree import DraftTree
 from tests.helpers import CHATS, assert_same_or_tie, exact_joint
 from tests.stats import chisquare_pvalue
 
+@pytest.mark.slow  # SmolLM2 rollouts with and without speculation
 @pytest.mark.parametrize("mode", ["history", "ngram", "auto"])
 def test_greedy_with_speculation_equals_without(smollm, mode):
     model, tok = smollm
@@ -28,6 +29,7 @@ def test_greedy_with_speculation_equals_without(smollm, mode):
     assert accepted > 0, "speculation never accepted a draft token: the test exercised nothing"
 
 
+@pytest.mark.slow  # SmolLM2 rollouts with and without speculation
 @pytest.mark.parametrize("mode", ["history", "ngram"])
 def test_sampling_with_model_free_drafts_emits_the_very_same_tokens(smollm, mode):
     """The noise for a token depends only on (seed, position), so deterministic drafts change nothing at all, even

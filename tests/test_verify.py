@@ -103,6 +103,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # a chi-square over thousands of draws per case
 @pytest.mark.parametrize("shape,with_q,params", CASES, ids=[f"{s}-{'q' if q else 'det'}-{p.temperature}-k{p.top_k}-p{p.top_p}" for s, q, p in CASES])
 def test_speculative_output_follows_the_target(shape, with_q, params):
     syn = Synthetic(params, seed=3)
