@@ -99,6 +99,7 @@ def test_eos_and_length_finish_reasons(engine):
     assert full.finish_reason == "stop" and full.token_ids[-1] == engine.tokenizer.eos_token_id
 
 
+@pytest.mark.slow  # SmolLM2 at a long max_tokens
 def test_kv_budget_bounds_memory_not_the_sequences_max_tokens_could_reach(smollm):
     """A budget of 3 x (prompt + max_tokens) positions: a cache that reserved max_tokens per sequence would run
     3 at a time; the paged cache holds what the sequences hold, so all of them run at once, within the budget."""

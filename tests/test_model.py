@@ -25,6 +25,7 @@ def prefill_then_decode(model, ids, split, slot=1):
     return torch.cat([a, b])
 
 
+@pytest.mark.slow  # SmolLM2 in transformers
 def test_smollm_logits_match_transformers(smollm, hf_smollm):
     model, tok = smollm
     ids = torch.tensor(tok.encode("The quick brown fox jumps over the lazy dog because it"))

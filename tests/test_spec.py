@@ -72,6 +72,7 @@ def test_sampling_with_speculation_follows_the_policy(tiny_peaked, params, dtype
         assert chisquare_pvalue(counts, joint) > 1e-3, f"epoch {epoch}: rollouts do not follow the policy"
 
 
+@pytest.mark.slow  # SmolLM2 rollouts
 def test_history_drafting_accepts_more_than_one_token_per_step(smollm):
     model, tok = smollm
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, spec=SpecConfig(mode="history")))
