@@ -57,7 +57,7 @@ def part_fixed(model, tok, label: str, args) -> None:
     prompts = arithmetic_prompts(args.requests)
     longest = max(len(tok.apply_chat_template(p, add_generation_prompt=True)) for p in prompts)
     ctx = model.config.max_position_embeddings
-    print(f"\n### {label}: {args.requests} requests, responses cut at 64 tokens, greedy, bf16, 8 GB budget\n")
+    print(f"\n### {label}: {args.requests} requests, responses cut at 64 tokens, greedy, {args.dtype}, 8 GB budget\n")
     print("| max_tokens | wall s | decode tok/s | peak running | wall / wall at 128 |")
     print("|---|---|---|---|---|")
     base = None
@@ -114,10 +114,11 @@ def main() -> None:
                     help="fixed: max_tokens values (0: the most the context allows)")
     ap.add_argument("--issue-rows", nargs="+", default=["128:8", "128:0.5", "1024:8", "1024:0.5"],
                     help="issue: max_tokens:GB rows")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16, or float32 on a CPU without bf16 hardware")
     ap.add_argument("--budget-max-tokens", type=int, nargs="+", default=[1024, 4096], help="budget: max_tokens values")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    model, tok = load_model("smollm2-135m", device="cpu", dtype=getattr(torch, args.dtype))
     for part in args.parts:
         {"fixed": part_fixed, "budget": part_budget, "issue": part_issue}[part](model, tok, args.label, args)
 
