@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -142,5 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def entry() -> None:
+    """The `tailrl` command. After every atexit handler has run (Ray's shutdown, the loggers', W&B's; all are
+    registered after this one, so they run first), it skips the interpreter's module teardown: extension modules
+    built with nanobind (triton 3.9, which torch imports whenever it is installed, as vLLM's CPU build does) print
+    'nanobind: leaked ...' reports there, after the run's last line (the summary, or the resume command)."""
+    code: list[int] = []
+
+    def exit_without_teardown() -> None:
+        if code:  # an exception escaped main: Python finishes as usual, traceback and all
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code[0])
+
+    atexit.register(exit_without_teardown)
+    code.append(main() or 0)
+    sys.exit(code[0])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
