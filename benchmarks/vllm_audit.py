@@ -40,9 +40,9 @@ def main() -> None:
     from tailrl.engine.requests import encode
     from tailrl.engine.score import model_scorer
     from tailrl.model import load_model
-    from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, spec_dict
+    from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, model_context, spec_dict
     from tailrl.rl.rollout.vllm_llm import hf_folder, make_llm, vllm_version
-    from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm, tol_for
+    from tailrl.speculative.audit import AuditConfig, context_needed, draw, judge, score_arm, tol_for
 
     if args.tiny:
         from tests.vllm_checks import PROMPTS, make_folder
@@ -55,6 +55,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, args.seed)
     cfg = AuditConfig(n=args.n, max_tokens=args.max_tokens, seed=args.seed, logprob_tol=tol_for(args.dtype))
+    max_len = context_needed(prompts, args.max_tokens, model_context(folder))
     scorer = model_scorer(load_model(folder, device="cpu", dtype=torch.float32)[0])
     off = None
     print(f"{vllm_version()}, {name} {args.dtype}, {len(prompts)} prompts x {args.n} x T {cfg.temperatures}, "
@@ -66,7 +67,7 @@ def main() -> None:
         spec = spec_dict(method, args.k)
         t0 = time.perf_counter()
         try:
-            llm = make_llm(folder, args.dtype, args.seed + (method != "off"), 256 if args.tiny else 1024, spec)
+            llm = make_llm(folder, args.dtype, args.seed + (method != "off"), max_len, spec)
         except Exception as e:  # a method this build lacks (suffix needs arctic-inference): say so, go on
             print(f"{method}: could not start ({type(e).__name__}: {str(e)[:200]})", flush=True)
             continue
@@ -90,9 +91,10 @@ def main() -> None:
         res = judge(off, draws, cfg, f"vLLM {method}", checks)
         print(res.table(), flush=True)
         print(f"{'PASS' if res.passed else 'FAIL'} (threshold {res.threshold:.2g}): {res.figures()}", flush=True)
-        gate = AuditConfig(seed=args.seed, logprob_tol=tol_for(args.dtype))
+        gate = AuditConfig(max_tokens=args.max_tokens, positions=min(4, args.max_tokens), seed=args.seed,
+                           logprob_tol=tol_for(args.dtype))
         if cfg == gate and not args.tiny:  # the gate's own settings: a run on this device reuses the verdict
-            path = cache_path(method, args.k, args.dtype)
+            path = cache_path(method, args.k, args.dtype, args.max_tokens)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(res.to_dict()))
 

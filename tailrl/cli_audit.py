@@ -45,7 +45,7 @@ def tailrl_arms(model, tokenizer, spec_mode: str, seed: int = 0, **spec_args):
 
 def cmd_audit(args) -> int:
     from .engine.score import model_scorer
-    from .speculative.audit import AuditConfig, audit, tol_for
+    from .speculative.audit import AuditConfig, audit, context_needed, tol_for
 
     try:
         if args.backend == "tailrl":
@@ -56,16 +56,20 @@ def cmd_audit(args) -> int:
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
             off, on, encode = tailrl_arms(model, tokenizer, args.spec, args.seed)
             version, scorer, tol = "tailrl", model_scorer(model), tol_for(model.dtype)
+            context = model.config.max_position_embeddings
         else:
-            from .rl.rollout.vllm_audit import vllm_arms
+            from .rl.rollout.vllm_audit import model_context, vllm_arms
+            from .rl.rollout.vllm_llm import hf_folder
 
             off, on, encode, version, scorer, tol = vllm_arms(args.model, args.spec, args.dtype, args.seed)
+            context = model_context(hf_folder(args.model))
         cfg = AuditConfig(temperatures=tuple(args.temperatures), n=args.n, max_tokens=args.max_tokens,
                           positions=args.positions, alpha=args.alpha, seed=args.seed, logprob_tol=tol)
+        prompts = audit_prompts(encode, args.prompts, args.seed)
+        context_needed(prompts, cfg.max_tokens, context)  # before any sampling: an engine would cut responses short
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompts = audit_prompts(encode, args.prompts, args.seed)
     res = audit(off, on, prompts, cfg, label=f"{version} {args.spec}", scorer=scorer)
     print(res.table())
     print(f"{'PASS' if res.passed else 'FAIL'}: every p-value must be >= {res.threshold:.2g} "

