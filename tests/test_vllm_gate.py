@@ -91,3 +91,78 @@ def test_the_audit_command_names_a_max_tokens_beyond_the_context(tmp_path, capsy
     assert main(["audit", "--model", str(tmp_path), "--spec", "ngram", "--max-tokens", "600"]) == 2
     err = capsys.readouterr().err
     assert "+ max_tokens 600 =" in err and "exceed the model's context of 512" in err
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    from tests.conftest import peaked_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_gate_v8")
+    return str(path), peaked_tiny_model(path, vocab=8, scale=6.0, dtype=torch.float32)
+
+
+def gate(monkeypatch, tmp_path, peaked, lossy: bool):
+    """The gate's audit answered by our engine's audit on the peaked model (tests/test_audit.py), made lossy (it
+    emits rejected drafts) or not: a verdict reached by the audit itself, not written by hand."""
+    from tests.test_audit import engine_audit, lossy_decide
+
+    import tailrl.engine.passes as passes
+
+    folder, model = peaked
+    monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
+    monkeypatch.delenv("TAILRL_VLLM_AUDIT", raising=False)
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 9.9.9")  # no recorded verdict: the gate audits
+    audits = []
+
+    def run_audit(*a):
+        with monkeypatch.context() as m:
+            if lossy:
+                m.setattr(passes, "decide", lossy_decide(passes.decide))
+            audits.append(engine_audit(model))
+        return audits[-1]
+
+    monkeypatch.setattr(vllm_audit, "run_audit", run_audit)
+    return folder, audits
+
+
+def run_cfg(folder, spec):
+    from tailrl.config import load_config
+
+    cfg = load_config(overrides=[f"model.path={folder}", "rollout.backend=vllm", f"rollout.vllm_spec={spec}"])
+    assert cfg.rollout.spec.mode == "auto"
+    return cfg
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_auto_decodes_plainly_with_one_warning_and_explicit_sd_is_refused(monkeypatch, tmp_path, peaked, caplog):
+    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+
+    folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=True)
+    with caplog.at_level(logging.WARNING):
+        spec, note = speculative_config(run_cfg(folder, "auto"), "float32")
+    assert len(audits) == 1 and not audits[0].passed
+    assert spec is None and note == "off (audit failed)"
+    warned = warnings_of(caplog)
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    msg = warned[0].getMessage()
+    assert "failed the losslessness audit" in msg and "decoding plainly" in msg
+    assert audits[0].figures() in msg and "token p=" in msg and "length KS p=" in msg  # the figures, named
+    caplog.clear()
+    for method in ("tailrl", "ngram"):  # asked for explicitly: refused, naming the figures; no sampling, no warning
+        with pytest.raises(UnsafeSpeculationError, match=rf"rollout.vllm_spec={method}: .*failed the losslessness "
+                                                         r"audit .*token p=.*Use rollout.vllm_spec=auto or off"):
+            speculative_config(run_cfg(folder, method), "float32")
+    assert len(audits) == 2 and not warnings_of(caplog)  # tailrl: the cached verdict; ngram: audited on its own
+
+
+def test_auto_speculates_where_the_audit_passes(monkeypatch, tmp_path, peaked, caplog):
+    from tailrl.rl.rollout.vllm_spec import speculative_config
+
+    folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=False)
+    with caplog.at_level(logging.WARNING):
+        spec, note = speculative_config(run_cfg(folder, "auto"), "float32")
+    assert audits[0].passed and spec["method"] == "custom_class" and note == "tailrl (audit passed)"
+    assert not warnings_of(caplog)
