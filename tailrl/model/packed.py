@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 # products of more rows (a prefill) run unpacked: from 256 rows the packed kernel was 1.1-1.15x slower than F.linear,
-# at 12-64 rows 0.78x (Zen 3, fp32, 1 thread)
-PACK_ROWS = 64
+# at 12-64 rows 0.78x (Zen 3, fp32, 1 thread). SmolLM2's five product shapes weighted as in a layer, process time:
+# 0.80x at 16 rows, 0.92x at 64, 0.93-0.94x at 96-128 (a verify pass of 32-64 sequences drafting 1-2), 0.98x at 192
+PACK_ROWS = 128
 _UNPACKABLE = "unpackable"
 _PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (weight key, packed weight) or _UNPACKABLE
 _GENERATION = [0]
