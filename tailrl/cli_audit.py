@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 
 def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
@@ -29,6 +31,19 @@ def engine_sampler(engine):
         return out
 
     return sample
+
+
+def timed(sample, arm: str):
+    """The sampler, saying on stderr what each draw took (an audit samples for minutes)."""
+    def run(prompts, temperature, n, max_tokens, seed):
+        t0 = time.perf_counter()
+        out = sample(prompts, temperature, n, max_tokens, seed)
+        tokens = sum(len(r) for per_prompt in out for r in per_prompt)
+        print(f"audit: {arm} at T {temperature:g}: {tokens} tokens in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        return out
+
+    return run
 
 
 def tailrl_arms(model, tokenizer, spec_mode: str, seed: int = 0, **spec_args):
@@ -58,6 +73,9 @@ def cmd_audit(args) -> int:
             version, scorer, tol = "tailrl", model_scorer(model), tol_for(model.dtype)
             context = model.config.max_position_embeddings
         else:
+            # vLLM logs to stdout at INFO by default: to stderr here, at WARNING unless -v, so stdout is the report
+            os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if getattr(args, "verbose", False) else "WARNING")
             from .rl.rollout.vllm_audit import model_context, vllm_arms
             from .rl.rollout.vllm_llm import hf_folder
 
@@ -70,11 +88,14 @@ def cmd_audit(args) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = audit(off, on, prompts, cfg, label=f"{version} {args.spec}", scorer=scorer)
+    label = f"{version} {args.spec}"
+    print(f"audit of {label} on {args.model}: {len(prompts)} prompts x {cfg.n} responses per arm and temperature, "
+          f"T {' '.join(f'{t:g}' for t in cfg.temperatures)}, max_tokens {cfg.max_tokens}, SD off against on; "
+          f"every SD token scored by our model\n", flush=True)
+    res = audit(timed(off, "SD off"), timed(on, "SD on"), prompts, cfg, label=label, scorer=scorer)
     print(res.table())
-    print(f"{'PASS' if res.passed else 'FAIL'}: every p-value must be >= {res.threshold:.2g} "
-          f"(false-alarm rate <= {cfg.alpha:g} for a lossless engine), no token below the floor, logprob errors <= "
-          f"{cfg.logprob_tol:g}; {res.figures()}")
+    print()
+    print(res.verdict())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res.to_dict(), f, indent=1)

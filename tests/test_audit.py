@@ -177,6 +177,10 @@ def test_one_impossible_token_in_thousands_fails(sharp):
     assert not res.passed and row.impossible == 1 and row.worst_logp == pytest.approx(float(logp[worst]), abs=1e-3)
     assert row.logprob_err < 1e-4
     assert "1 of" in res.figures() and "FAIL" in res.table()
+    verdict = res.verdict().splitlines()
+    assert verdict[0].startswith("FAIL: each test's p >= ")
+    assert verdict[1] == (f"  T=1: 1 of {row.scored} tokens below target log p {row.floor:.1f} "
+                          f"(lowest {row.worst_logp:.1f})")
 
 
 def test_one_misreported_logprob_fails(sharp):
@@ -186,6 +190,28 @@ def test_one_misreported_logprob_fails(sharp):
     bad = copy(on)
     r = bad[0][2][7]
     r.logprobs[0] += 5.0
-    row = judged(sharp, bad).rows[0]
+    res = judged(sharp, bad)
+    row = res.rows[0]
     assert row.impossible == 0 and row.logprob_err == pytest.approx(5.0, abs=1e-3)
     assert not row.ok(CFG.alpha / CFG.num_tests)
+    assert res.verdict().splitlines()[1] == "  T=1: reported logprobs up to 5 off the target's (bound 0.05)"
+
+
+def test_the_audit_command_prints_its_setup_a_table_and_a_verdict(tmp_path, capsys):
+    """`tailrl audit`: stdout is the report (what was audited, the table, PASS or FAIL with the rule and each
+    temperature's outcome); progress goes to stderr."""
+    from tests.conftest import make_tiny_chat_model
+
+    from tailrl.cli import main
+
+    make_tiny_chat_model(tmp_path)
+    code = main(["audit", "--model", str(tmp_path), "--spec", "ngram", "--n", "8", "--max-tokens", "8",
+                 "--temperatures", "1.0"])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("audit of tailrl ngram on ") and "4 prompts x 8 responses" in lines[0]
+    table = [x for x in lines if x.startswith("| tailrl ngram | 1 |")]
+    assert len(table) == 1 and table[0].endswith("| pass |")
+    assert code == 0 and lines[-2].startswith("PASS: each test's p >= ") and lines[-1] == "  T=1: pass"
+    assert "audit: SD off at T 1:" in err and "audit: SD on at T 1:" in err and "audit:" not in out.replace(
+        "audit of", "")

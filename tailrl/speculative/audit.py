@@ -111,6 +111,19 @@ class AuditRow:
         return (self.min_p >= threshold and not self.impossible
                 and (self.logprob_err is None or self.logprob_err <= self.logprob_tol))
 
+    def failures(self, threshold: float) -> list[str]:
+        """What failed at this temperature, each with its figures (empty where the row passes)."""
+        out = [f"tokens at position {j}: chi-square p {p:.2g}" for j, p in enumerate(self.token_p) if p < threshold]
+        if self.length_p < threshold:
+            out.append(f"lengths: KS p {self.length_p:.2g} (mean {self.mean_len_off:.1f} off, "
+                       f"{self.mean_len_on:.1f} on)")
+        if self.impossible:
+            out.append(f"{self.impossible} of {self.scored} tokens below target log p {self.floor:.1f} "
+                       f"(lowest {self.worst_logp:.1f})")
+        if self.logprob_err is not None and self.logprob_err > self.logprob_tol:
+            out.append(f"reported logprobs up to {self.logprob_err:.2g} off the target's (bound {self.logprob_tol:g})")
+        return out
+
     def token_figures(self) -> str:
         if self.scored is None:
             return "tokens not scored"
@@ -133,12 +146,27 @@ class AuditResult:
                          f"(mean length off {r.mean_len_off:.1f}, on {r.mean_len_on:.1f}), {r.token_figures()}"
                          for r in self.rows)
 
+    def verdict(self) -> str:
+        """PASS or FAIL, what each test must meet, and per temperature what failed with its figures."""
+        cfg = self.config
+        rule = (f"each test's p >= {self.threshold:.2g} (a lossless engine fails with probability <= "
+                f"{cfg.get('alpha', 0.01):g}), no SD token below the target's floor, reported logprobs within "
+                f"{cfg.get('logprob_tol', 0.05):g} of the target's")
+        lines = [f"{'PASS' if self.passed else 'FAIL'}: {rule}"]
+        for r in self.rows:
+            why = r.failures(self.threshold)
+            lines.append(f"  T={r.temperature:g}: " + ("; ".join(why) if why else "pass"))
+        return "\n".join(lines)
+
     def table(self) -> str:
-        head = ("| arm | T | token chi2/df (positions) | min token p | length KS | length p | mean len off / on | "
-                "tokens below floor / scored | floor | lowest target log p | max logprob error | verdict |")
+        k = len(self.rows[0].token_chi2) if self.rows else 0
+        head = (f"| arm | T | token chi2/df (positions 0-{k - 1}) | min token p | length KS | length p | "
+                "mean len off / on | tokens below floor / scored | floor | lowest target log p | max logprob error | "
+                "verdict |")
         lines = [head, "|" + "---|" * 12]
         for r in self.rows:
-            chi = ", ".join(f"{c:.0f}/{d}" for c, d in zip(r.token_chi2, r.token_df))
+            # "-": one token bin per prompt at that position (nothing to compare: near-deterministic there)
+            chi = ", ".join(f"{c:.0f}/{d}" if d else "-" for c, d in zip(r.token_chi2, r.token_df))
             verdict = "pass" if r.ok(self.threshold) else "FAIL"
             if r.scored is None:
                 tok = "- | - | - | -"
