@@ -61,6 +61,7 @@ def tailrl_arms(model, tokenizer, spec_mode: str, seed: int = 0, **spec_args):
 def cmd_audit(args) -> int:
     from .engine.score import model_scorer
     from .speculative.audit import AuditConfig, audit, context_needed, tol_for
+    from .speculative.impossible import TargetScorer
 
     try:
         if args.backend == "tailrl":
@@ -92,7 +93,17 @@ def cmd_audit(args) -> int:
     print(f"audit of {label} on {args.model}: {len(prompts)} prompts x {cfg.n} responses per arm and temperature, "
           f"T {' '.join(f'{t:g}' for t in cfg.temperatures)}, max_tokens {cfg.max_tokens}, SD off against on; "
           f"every SD token scored by our model\n", flush=True)
-    res = audit(timed(off, "SD off"), timed(on, "SD on"), prompts, cfg, label=label, scorer=scorer)
+    spent = [0.0, 0]
+
+    def score(prompt, responses, temperature):
+        t0 = time.perf_counter()
+        out = scorer.score(prompt, responses, temperature)
+        spent[0], spent[1] = spent[0] + time.perf_counter() - t0, spent[1] + sum(map(len, out))
+        return out
+
+    res = audit(timed(off, "SD off"), timed(on, "SD on"), prompts, cfg, label=label,
+                scorer=TargetScorer(score, scorer.vocab))
+    print(f"audit: our model scored the SD arm's {spent[1]} tokens in {spent[0]:.0f} s", file=sys.stderr, flush=True)
     print(res.table())
     print()
     print(res.verdict())
