@@ -214,5 +214,4 @@ def test_the_audit_command_prints_its_setup_a_table_and_a_verdict(tmp_path, caps
     assert len(table) == 1 and table[0].endswith("| pass |")
     assert code == 0 and lines[-2].startswith("PASS: each test's p >= ") and lines[-1] == "  T=1: pass"
     assert "audit: SD off at T 1:" in err and "audit: SD on at T 1:" in err and "scored the SD arm" in err
-    assert "audit:" not in out.replace(
-        "audit of", "")
+    assert "audit:" not in out.replace("audit of", "")
