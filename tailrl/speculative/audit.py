@@ -173,7 +173,8 @@ class AuditResult:
             else:
                 err = "-" if r.logprob_err is None else f"{r.logprob_err:.2g}"
                 tok = f"{r.impossible} / {r.scored} | {r.floor:.1f} | {r.worst_logp:.1f} | {err}"
-            lines.append(f"| {self.label} | {r.temperature:g} | {chi} | {min(r.token_p):.2g} | {r.length_ks:.3f} | "
+            min_p = f"{min(r.token_p):.2g}" if any(r.token_df) else "-"
+            lines.append(f"| {self.label} | {r.temperature:g} | {chi} | {min_p} | {r.length_ks:.3f} | "
                          f"{r.length_p:.2g} | {r.mean_len_off:.1f} / {r.mean_len_on:.1f} | {tok} | {verdict} |")
         return "\n".join(lines)
 
