@@ -121,13 +121,13 @@ class AuditRow:
             out.append(f"{self.impossible} of {self.scored} tokens below target log p {self.floor:.1f} "
                        f"(lowest {self.worst_logp:.1f})")
         if self.logprob_err is not None and self.logprob_err > self.logprob_tol:
-            out.append(f"reported logprobs up to {self.logprob_err:.2g} off the target's (bound {self.logprob_tol:g})")
+            out.append(f"reported logprobs up to {self.logprob_err:.3g} off the target's (bound {self.logprob_tol:g})")
         return out
 
     def token_figures(self) -> str:
         if self.scored is None:
             return "tokens not scored"
-        err = "no logprobs reported" if self.logprob_err is None else f"max logprob error {self.logprob_err:.2g}"
+        err = "no logprobs reported" if self.logprob_err is None else f"max logprob error {self.logprob_err:.3g}"
         return (f"{self.impossible} of {self.scored} tokens below target log p {self.floor:.1f} "
                 f"(lowest {self.worst_logp:.1f}), {err}")
 
@@ -171,7 +171,7 @@ class AuditResult:
             if r.scored is None:
                 tok = "- | - | - | -"
             else:
-                err = "-" if r.logprob_err is None else f"{r.logprob_err:.2g}"
+                err = "-" if r.logprob_err is None else f"{r.logprob_err:.3g}"
                 tok = f"{r.impossible} / {r.scored} | {r.floor:.1f} | {r.worst_logp:.1f} | {err}"
             min_p = f"{min(r.token_p):.2g}" if any(r.token_df) else "-"
             lines.append(f"| {self.label} | {r.temperature:g} | {chi} | {min_p} | {r.length_ks:.3f} | "
