@@ -11,7 +11,7 @@ that of its own sequence, the same products summed in another order than one for
 2e-5 on the tiny models of tests/test_score.py, 4e-5 on SmolLM2 for random tokens; the audit's logprob bound is
 0.05). The prompt's last row predicts every response's first token. Responses go in pieces whose logit rows stay
 near 128 MB; each piece computes the prompt once. SmolLM2, one audit prompt (58 tokens) with 16 responses of 8-64
-tokens, 1 thread of a Zen 3: 4.8 s against 11.5 s with one padded forward per response."""
+tokens, 1 thread of a Zen 3: 5.3 s against 11.5 s with one forward per response (benchmarks/audit_scorer.py)."""
 
 from __future__ import annotations
 
