@@ -3,11 +3,16 @@
 The target is a fixed table of next-token logits for every prefix; drafts are random chains and trees,
 deterministic or sampled from a different draft distribution q without replacement. Speculative generation
 of D tokens is repeated 100k times and the distribution of the D-token outputs is compared with the exact
-target joint by a chi-square test (fixed seeds; each must pass at significance 0.001)."""
+target joint by a chi-square test (fixed seeds; each must pass at significance 0.001). The draws are split into
+PARTS fixed parts run in worker processes (the verifier is Python-bound: one core per part), so the counts, and
+the p-value, are the same on any number of cores."""
 
 import itertools
 import math
+import multiprocessing
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -18,7 +23,7 @@ from tailrl.speculative.tree import DraftTree
 from tailrl.speculative.verify import verify_tree
 from tests.stats import chisquare_pvalue
 
-V, D, DRAWS = 5, 3, 100_000
+V, D, DRAWS, PARTS = 5, 3, 100_000, 4
 
 
 class Synthetic:
@@ -26,7 +31,7 @@ class Synthetic:
         g = torch.Generator().manual_seed(seed)
         self.params = params
         self.target, self.draft = {}, {}
-        for n in range(D + 4):
+        for n in range(D + 3):  # prefixes of up to D + 2 tokens: D - 1 emitted ones, then a tree of depth 3
             for prefix in itertools.product(range(V), repeat=n):
                 logits = torch.randn(V, generator=g) * 1.5
                 self.target[prefix] = warped_logprobs(logits[None], *warp_tensors([params], "cpu"))[0]
@@ -51,29 +56,44 @@ def random_tree(rng: random.Random, syn: Synthetic, prefix: tuple, shape: str, w
             keys = [lq - math.log(-math.log(1.0 - rng.random())) for lq in logq]
             chosen = sorted(range(V), key=lambda t: -keys[t])[:k]
             q[node] = syn.draft[node_prefix]
-        else:
-            chosen = rng.sample(range(V), k)
+        else:  # k distinct children, uniformly (random() alone: a sample() call cost more than a verification)
+            chosen = sorted(range(V), key=lambda t: rng.random())[:k]
         for t in chosen:
             tokens.append(t)
             parents.append(node)
         return list(range(len(tokens) - k, len(tokens)))
 
     frontier = [(-1, prefix)]
-    depth = 3 if shape == "chain" else rng.randint(2, 3)
+    depth = 3 if shape == "chain" else 2 + (rng.random() < 0.5)
     for _ in range(depth):
         nxt = []
         for node, pre in frontier:
-            k = 1 if shape == "chain" else rng.randint(1, 2)
+            k = 1 if shape == "chain" else 1 + (rng.random() < 0.5)
             for i in kids(pre, node, k):
                 nxt.append((i, pre + (tokens[i],)))
         frontier = nxt[:3]
     return DraftTree(tokens, parents, q)
 
 
-def spec_generate(syn: Synthetic, shape: str, with_q: bool, draws: int, seed: int) -> torch.Tensor:
-    rng = random.Random(seed + 1)
-    counts = torch.zeros([V] * D, dtype=torch.float64)
-    for k in range(draws):
+_SYNTHETIC: dict = {}
+
+
+def synthetic(params: SamplingParams, seed: int) -> Synthetic:
+    """One Synthetic per case and process (a worker runs several parts of a case)."""
+    key = (repr(params), seed)
+    if key not in _SYNTHETIC:
+        _SYNTHETIC.clear()
+        _SYNTHETIC[key] = Synthetic(params, seed)
+    return _SYNTHETIC[key]
+
+
+def spec_generate(syn: Synthetic, shape: str, with_q: bool, draws: int, seed: int, part: int = 0,
+                  parts: int = 1) -> torch.Tensor:
+    """Counts of the D-token outputs of draws k = part, part + parts, ... below `draws`, draw k verified with the
+    noise of request seed * 10**6 + k; the trees from a random stream of the part's own."""
+    rng = random.Random((seed + 1) * 1000 + part)
+    counts = {}
+    for k in range(part, draws, parts):
         out: tuple = ()
         while len(out) < D:
             tree = random_tree(rng, syn, out, shape, with_q)
@@ -84,8 +104,9 @@ def spec_generate(syn: Synthetic, shape: str, with_q: bool, draws: int, seed: in
                 rows.append(syn.target[paths[-1]])
             verdict = verify_tree(tree, torch.stack(rows), syn.params.greedy, seed * 10**6 + k, len(out))
             out = out + tuple(verdict.tokens)
-        counts[out[:D]] += 1
-    return counts
+        counts[out[:D]] = counts.get(out[:D], 0) + 1
+    cells = itertools.product(range(V), repeat=D)  # row-major, as the reshape reads them
+    return torch.tensor([counts.get(seq, 0) for seq in cells], dtype=torch.float64).reshape([V] * D)
 
 
 def assert_follows(counts: torch.Tensor, joint: dict):
@@ -103,12 +124,25 @@ CASES = [
 ]
 
 
+def spec_part(params: SamplingParams, shape: str, with_q: bool, part: int) -> torch.Tensor:
+    """One part of a case's draws, in a worker process."""
+    return spec_generate(synthetic(params, 3), shape, with_q, DRAWS, seed=7, part=part, parts=PARTS)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Worker processes for the parts (spawned: no fork of a process that holds OpenMP threads), one torch thread each."""
+    with ProcessPoolExecutor(min(PARTS, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        yield pool
+
+
 @pytest.mark.slow  # a chi-square over thousands of draws per case
 @pytest.mark.parametrize("shape,with_q,params", CASES, ids=[f"{s}-{'q' if q else 'det'}-{p.temperature}-k{p.top_k}-p{p.top_p}" for s, q, p in CASES])
-def test_speculative_output_follows_the_target(shape, with_q, params):
-    syn = Synthetic(params, seed=3)
-    counts = spec_generate(syn, shape, with_q, DRAWS, seed=7)
-    assert_follows(counts, syn.joint())
+def test_speculative_output_follows_the_target(workers, shape, with_q, params):
+    counts = sum(workers.map(spec_part, *zip(*[(params, shape, with_q, part) for part in range(PARTS)])))
+    assert counts.sum() == DRAWS
+    assert_follows(counts, synthetic(params, 3).joint())
 
 
 def test_greedy_always_emits_argmax():
