@@ -126,8 +126,8 @@ class Attention(nn.Module):
         """Writes the new tokens' K/V at their rows' (slot, position) in the paged cache `kv` (engine/kv_cache.py),
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
         invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
-        gathered up to the pass's longest, under step.mask (a decode pass on a CPU: read in place by our kernel,
-        model/paged_attention.py)."""
+        gathered up to the pass's longest, under step.mask (a decode or verify pass on a CPU: read in place by our
+        kernel, model/paged_attention.py)."""
         # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls; a plain
         # pass: weights packed once per weight version, model/packed.py)
         q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else packed_linear)
@@ -138,11 +138,16 @@ class Attention(nn.Module):
             return in_calls(self.o_proj, pad_rows(o, x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
-        elif step.max_q == 1 and paged_attention.supports(q, kv.pools(self.layer_idx)[0]):  # decode: keys read in place
-            B = step.num_seqs
-            o = paged_attention.paged_attention(q.view(B, 1, self.n_heads, self.head_dim), *kv.pools(self.layer_idx),
-                                                kv.block_table(), step.slots, step.mask.view(B, 1, -1))
-            o = o.view(B, self.n_heads * self.head_dim)
+        elif step.max_q <= paged_attention.MAX_Q and paged_attention.supports(q, kv.pools(self.layer_idx)[0]):
+            # a decode or verify pass: keys read in place
+            B, Q = step.num_seqs, step.max_q
+            rows = q[:T]
+            if step.pad_idx is not None:  # sequences verifying fewer rows than the longest: padded to Q each
+                rows = q.new_zeros(B * Q, *q.shape[1:]).index_copy_(0, step.pad_idx, rows)
+            o = paged_attention.paged_attention(rows.view(B, Q, self.n_heads, self.head_dim), *kv.pools(self.layer_idx),
+                                                kv.block_table(), step.slots, step.mask.view(B, Q, -1))
+            o = o.view(B * Q, self.n_heads * self.head_dim)
+            o = o if step.pad_idx is None else o[step.pad_idx]
         else:
             o = self._attend(q, *kv.keys(self.layer_idx, step), step)
         return packed_linear(self.o_proj, o)
