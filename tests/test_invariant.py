@@ -29,6 +29,16 @@ def smollm_bf16():
     return load_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def smol_kernels(request):
+    """SmolLM2 in bf16 where the CPU multiplies bf16 in hardware; elsewhere (emulated bf16: its probe took 22 s on a
+    Zen 3) 2 layers of its widths, heads and vocabulary, no tokenizer (tests/invariance_run.py): its every kernel."""
+    from tailrl.model.load import cpu_has_bf16
+    from tests.invariance_run import smol_shaped
+
+    return request.getfixturevalue("smollm_bf16") if cpu_has_bf16() else (smol_shaped(), None)
+
+
 @pytest.mark.parametrize("allocate", [False, True])
 def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(request, tiny_chat, allocate):
     """Exact equality of every sampled token, no near-tie allowance: without the invariant passes this fails
@@ -116,14 +126,14 @@ def test_chunk_plan_reads_only_the_chunks_each_sequence_reaches():
     assert step.row_tile == ROW_TILE and step.mask is None
 
 
-def test_bf16_prefill_and_decode_give_a_token_the_same_bits(smollm_bf16):
+def test_bf16_prefill_and_decode_give_a_token_the_same_bits(smol_kernels):
     """The property a re-prefill (a preempted or migrated sequence) needs: a token's logits are the same bits from
     its prompt's prefill, from a decode step alone, and from a verify pass beside other sequences; and prompts
     prefilled together get the bits each gets alone. Keys span two chunks. Where it does not hold, the probe must
     have said so (and the engine falls back): no machine passes with the property broken and unreported."""
     from tailrl.engine.kv_cache import KVCache
 
-    model, _ = smollm_bf16
+    model, tok = smol_kernels
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (CHUNK + 40,))
     short = torch.randint(0, model.config.vocab_size, (30,))
@@ -141,7 +151,7 @@ def test_bf16_prefill_and_decode_give_a_token_the_same_bits(smollm_bf16):
     verdict = probe_invariance(model)
     assert same or not verdict.ok, "the passes differ and the probe did not see it"
     if not verdict.ok:
-        assert_falls_back(model, smollm_bf16[1], verdict)
+        assert_falls_back(model, tok, verdict)
 
 
 def test_the_probes_verdict_decides_the_passes_and_names_a_broken_construction(smollm_bf16, monkeypatch):
@@ -166,7 +176,7 @@ def test_the_probes_verdict_decides_the_passes_and_names_a_broken_construction(s
     assert not eng.runner.invariant and eng.invariance is broken
 
 
-def test_probe_finds_what_only_a_whole_pass_meets(smollm_bf16, monkeypatch):
+def test_probe_finds_what_only_a_whole_pass_meets(smol_kernels, monkeypatch):
     """A kernel whose items round otherwise in calls of more than 12 items: no item check meets it (their calls hold
     9), but a prefill does (its prompt's 17 items share a call) and its last token decoded alone (2 items) does not,
     so only the probe's end-to-end check sees it, and it must name it. Where this CPU's own kernels already fail the
@@ -174,7 +184,7 @@ def test_probe_finds_what_only_a_whole_pass_meets(smollm_bf16, monkeypatch):
     import tailrl.engine.probe as probe
     import tailrl.model.chunked as chunked
 
-    model, _ = smollm_bf16
+    model, _ = smol_kernels
     real = probe.probe_invariance(model)
     kernel = chunked.kernel
 
@@ -231,10 +241,8 @@ def test_contiguous_prefix_cuts_the_path_at_a_branch():
 def test_bf16_responses_do_not_depend_on_the_other_prompts(request, tiny_chat):
     """Prefill and decode passes are invariant: a prompt's samples are the same whether it
     shares the engine with other prompts (another worker's share, another step's batch) or runs alone.
-    On a CPU without bf16 matrix hardware (AVX2 only) the tiny chat model runs instead of SmolLM2 (65 s there), its
-    responses held to 40 tokens: on a Zen 3 SmolLM2's plain passes gave these very responses too (measured
-    2026-11-26: its bf16 products do not round by row count there), so SmolLM2 adds no power there, while a
-    sequence that read another's keys or noise would show in either model's tokens."""
+    Without bf16 hardware (AVX2) the tiny chat model runs, 40 tokens a response (SmolLM2 took 65 s there, and its
+    plain passes gave these very responses too on a Zen 3, 2026-11-26): a sequence reading another's keys shows."""
     from tailrl.model.load import cpu_has_bf16
 
     hardware = cpu_has_bf16()
