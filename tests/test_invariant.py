@@ -154,13 +154,13 @@ def test_bf16_prefill_and_decode_give_a_token_the_same_bits(smol_kernels):
         assert_falls_back(model, tok, verdict)
 
 
-def test_the_probes_verdict_decides_the_passes_and_names_a_broken_construction(smollm_bf16, monkeypatch):
-    """`auto` runs the invariant passes where this machine's kernels hold them for SmolLM2, and falls back with the
-    property named where they do not. With a verdict that names a broken product, `true` is an error that names it
-    and `auto` falls back to the plain passes."""
+def test_the_probes_verdict_decides_the_passes_and_names_a_broken_construction(smol_kernels, monkeypatch):
+    """`auto` runs the invariant passes where this machine's kernels hold them for SmolLM2's shapes, and falls back
+    with the property named where they do not. With a verdict that names a broken product, `true` is an error that
+    names it and `auto` falls back to the plain passes."""
     import tailrl.engine.probe as probe
 
-    model, tok = smollm_bf16
+    model, tok = smol_kernels
     verdict = probe.probe_invariance(model)
     assert Engine(model, tok, EngineConfig(kv_cache_gb=0.2)).runner.invariant == verdict.ok
     assert resolve_invariant("auto", model) == (verdict.ok, verdict) and resolve_invariant(False, model) == (False, None)

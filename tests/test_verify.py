@@ -131,8 +131,9 @@ def spec_part(params: SamplingParams, shape: str, with_q: bool, part: int) -> to
 
 @pytest.fixture(scope="module")
 def workers():
-    """Worker processes for the parts (spawned: no fork of a process that holds OpenMP threads), one torch thread each."""
-    with ProcessPoolExecutor(min(PARTS, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn"),
+    """Worker processes for the parts, one torch thread each (spawned: no fork of a process holding OpenMP threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ProcessPoolExecutor(min(PARTS, cores), mp_context=multiprocessing.get_context("spawn"),
                              initializer=torch.set_num_threads, initargs=(1,)) as pool:
         yield pool
 
