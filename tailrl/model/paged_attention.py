@@ -9,8 +9,8 @@ The kernel is built once per machine with the C compiler (`cc`, or $CC; a few se
 ($TAILRL_KERNEL_CACHE, default ~/.cache/tailrl/kernels) and loaded with ctypes: no torch headers, no build step at
 install. Where it cannot be built (no compiler) or TAILRL_PAGED_KERNEL=0, `available()` is False and the engine keeps
 the gather route; the reason is logged once at INFO. It serves the engine's plain decode and verify passes (up to
-MAX_Q query rows a sequence, CPU, fp32 or bf16); longer passes (a prefill continuing a cached prefix) keep the gather
-route, whose matrix-product kernel wins there, and the batch-invariant passes keep model/chunked.py.
+MAX_Q query rows a sequence, CPU, fp32 or bf16); longer passes (deeper drafts, a prefill continuing a cached prefix)
+keep the gather route, whose matrix-product kernel wins there, and the batch-invariant passes keep model/chunked.py.
 
 A row's output depends only on its query and the keys and values its mask row lets it see, in a fixed order of
 operations (csrc/paged_attention.c): it has the same bits whatever else shares the pass."""
@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-# query rows a sequence up to which the kernel beats gather + SDPA (Zen 3, fp32, 1 thread, 4-32 sequences over 256-1,024
-# keys: 0.16-0.31x at 1 row, 0.31-0.56x at 2-5, 0.47-0.93x at 9-17): a verify pass of the deepest draft budget, 16
-MAX_Q = 17
+# query rows a sequence up to which the kernel beats gather + grouped SDPA (benchmarks/decode_attention.py, Zen 3,
+# fp32, 1 thread, 4-32 sequences over 256-1,024 keys, machine idle: 0.34-0.58x at 1 row, 0.56-0.74x at 2, 0.63-0.85x
+# at 5, 0.93-1.36x at 9, 0.79-1.21x at 17): a verify pass of draft budgets up to 4; deeper ones gather
+MAX_Q = 5
 _LIB: list = []  # [the loaded library or None], once per process
 _WHY: list[str] = []
 
