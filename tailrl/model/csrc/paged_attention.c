@@ -152,8 +152,9 @@ static inline uint64_t mask_word(const uint8_t* row, int64_t j0, int64_t K) {
 
 #define ALL_SEEN 0x0101010101010101ull /* mask bytes are 0 or 1 (torch bool) */
 
+/* into L2, not non-temporal: each V row is read again for every query row of the item */
 static inline void prefetch_rows(const char* base, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 2); /* into L2: a V row is read once per query row */
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 2);
 }
 
 int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
