@@ -174,8 +174,10 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
     float* tile = malloc(sizeof(float) * TILE * D); /* a tile's bf16 keys in fp32 */
     float* acc = malloc(sizeof(float) * D);         /* sum of p * v of one row */
     uint64_t* words = malloc(sizeof(uint64_t) * R); /* a tile's mask bytes per row */
+    const char** krow = malloc(sizeof(void*) * KP); /* each key's K and V rows in the pool (no division per key) */
+    const char** vrow = malloc(sizeof(void*) * KP);
     const uint8_t** sees = malloc(sizeof(void*) * R);
-    if (!qs || !s || !top || !tile || !acc || !words || !sees) {
+    if (!qs || !s || !top || !tile || !acc || !words || !krow || !vrow || !sees) {
 #pragma omp atomic write
       failed = 2;
     }
@@ -186,6 +188,11 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
       const int64_t* blocks = table + slots[b] * W;
       const char* kbase = (const char*)k_pool + h * NBLK * BS * ROW;
       const char* vbase = (const char*)v_pool + h * NBLK * BS * ROW;
+      for (int64_t j = 0, blk = 0; j < K; ++blk)
+        for (int64_t t = 0, at = blocks[blk] * BS * ROW; t < BS && j < K; ++t, ++j, at += ROW) {
+          krow[j] = kbase + at;
+          vrow[j] = vbase + at;
+        }
       for (int64_t g = 0; g < G; ++g) /* row r = g * Q + i: query head h * G + g, query i */
         for (int64_t i = 0; i < Q; ++i) {
           const int64_t r = g * Q + i, at = ((b * Q + i) * H + h * G + g) * D;
@@ -196,8 +203,8 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
         }
       /* scores, a tile of 8 keys at a time */
       for (int64_t j0 = 0; j0 < KP; j0 += TILE) {
-        if (j0 % BS == 0 && j0 + BS < K) /* the next block of keys, ahead of the hardware prefetcher */
-          prefetch_rows(kbase + blocks[(j0 + BS) / BS] * BS * ROW, BS * ROW);
+        for (int64_t j = j0 + 2 * TILE; j < j0 + 3 * TILE && j < K; ++j) /* two tiles ahead: a block may start there */
+          prefetch_rows(krow[j], ROW);
         uint64_t seen = 0;
         for (int64_t r = 0; r < R; ++r) seen |= words[r] = mask_word(sees[r], j0, K);
         const float* keys[TILE];
@@ -205,7 +212,7 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
           const int64_t j = j0 + k;
           keys[k] = ZERO_KEY;
           if (!((seen >> (8 * k)) & 0xff)) continue;
-          const char* src = kbase + (blocks[j / BS] * BS + j % BS) * ROW;
+          const char* src = krow[j];
           if (bf16) {
             for (int64_t d = 0; d < D; ++d) tile[k * D + d] = bf16_to_float(((const uint16_t*)src)[d]);
             keys[k] = tile + k * D;
@@ -266,11 +273,10 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
 #endif
           for (int64_t j = 0; j < K; ++j) {
-            if (r == 0 && j % BS == 0 && j + BS < K)
-              prefetch_rows(vbase + blocks[(j + BS) / BS] * BS * ROW, BS * ROW);
+            if (r == 0 && j + 2 * TILE < K) prefetch_rows(vrow[j + 2 * TILE], ROW);
             const float p = sr[j];
             if (p == 0.f) continue;
-            const char* src = vbase + (blocks[j / BS] * BS + j % BS) * ROW + d0 * ES;
+            const char* src = vrow[j] + d0 * ES;
 #ifdef VEC
             if (w == 64) {
               const __m256 pv = _mm256_set1_ps(p);
@@ -321,6 +327,8 @@ int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool
     free(tile);
     free(acc);
     free(words);
+    free(krow);
+    free(vrow);
     free(sees);
   }
   return failed;
