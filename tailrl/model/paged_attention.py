@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 # query rows a sequence up to which the kernel beats gather + grouped SDPA (benchmarks/decode_attention.py, Zen 3,
-# fp32, 1 thread, 4-32 sequences over 256-1,024 keys, machine idle: 0.34-0.58x at 1 row, 0.56-0.74x at 2, 0.63-0.85x
-# at 5, 0.93-1.36x at 9, 0.79-1.21x at 17): a verify pass of draft budgets up to 4; deeper ones gather
-MAX_Q = 5
+# fp32, 1 thread, 4-32 sequences over 256-1,024 keys, with each key's rows looked up once: 0.25-0.30x at 1 row,
+# 0.49-0.73x at 5, 0.39-1.14x at 9 (0.83x against the idle gather's 28.6 ms at 32 x 1,024), 0.98-1.03x at 17): a verify
+# pass of draft budgets up to 8; deeper ones gather
+MAX_Q = 9
 _LIB: list = []  # [the loaded library or None], once per process
 _WHY: list[str] = []
 
