@@ -131,7 +131,12 @@ def test_the_engine_emits_the_same_tokens_with_buckets_on_and_off(tiny, mode, te
         assert_same_or_tie(tiny, a, b, params, 1e-4)
 
 
-def test_the_causal_prefill_equals_the_dense_mask_prefill(tiny):
+def test_the_causal_prefill_equals_the_dense_mask_prefill(tiny, monkeypatch):
+    """The causal kernel against SDPA over the gathered keys under the dense mask: the same bits in the KV cache. A
+    dense pass of a few rows a sequence would take our paged kernel, another kernel (tests/test_paged_kernel.py)."""
+    from tailrl.model import paged_attention
+
+    monkeypatch.setattr(paged_attention, "MAX_Q", 0)
     lens, slots = [len(p) for p in PROMPTS], [2, 0, 5]  # packed, different lengths, slots out of order
     ids = torch.tensor([t for p in PROMPTS for t in p])
     causal = make_step([0, 0, 0], lens, slots)
