@@ -37,6 +37,7 @@ def test_smollm_logits_match_transformers(smollm, hf_smollm):
     assert (cached - ref).abs().max() < TOL
 
 
+@pytest.mark.slow  # SmolLM2 in transformers: loading it is 25 s of the fast tier
 def test_smollm_hidden_states_match_transformers(smollm, hf_smollm):
     model, tok = smollm
     ids = torch.tensor(tok.encode("Hidden states for the drafter"))
