@@ -141,11 +141,9 @@ class Attention(nn.Module):
         elif step.max_q <= paged_attention.MAX_Q and paged_attention.supports(q, kv.pools(self.layer_idx)[0]):
             # a decode or verify pass: keys read in place
             B, Q = step.num_seqs, step.max_q
-            rows = q[:T]
-            if step.pad_idx is not None:  # sequences verifying fewer rows than the longest: padded to Q each
-                rows = q.new_zeros(B * Q, *q.shape[1:]).index_copy_(0, step.pad_idx, rows)
-            o = paged_attention.paged_attention(rows.view(B, Q, self.n_heads, self.head_dim), *kv.pools(self.layer_idx),
-                                                kv.block_table(), step.slots, step.mask.view(B, Q, -1))
+            rows = self._pad(q[:T], step).transpose(1, 2)  # [B, Q, heads, D]: shorter drafts padded to Q rows
+            o = paged_attention.paged_attention(rows, *kv.pools(self.layer_idx), kv.block_table(), step.slots,
+                                                step.mask.view(B, Q, -1))
             o = o.view(B * Q, self.n_heads * self.head_dim)
             o = o if step.pad_idx is None else o[step.pad_idx]
         else:
