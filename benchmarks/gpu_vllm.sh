@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 48's GPU checks of rollout.backend=vllm, in one go on a lent CUDA machine (the one GPU script for it).
 #
-# Prepare first (off the GPU clock): bash scripts/setup.sh, then `.venv/bin/pip install "torch==2.13.0" vllm
-# arctic-inference` (vLLM's CUDA wheel; arctic-inference for suffix). Writes each step's output to $OUT (default
-# /tmp) as well as to stdout. It runs, in order:
+# Prepare first (off the GPU clock): bash scripts/setup.sh, then `.venv/bin/pip install "torch==2.13.0" vllm`
+# (vLLM's CUDA wheel), then arctic-inference for suffix, built against the venv's torch as the end of
+# scripts/setup.sh does for --suffix (pip's isolated build would fetch another torch). Writes each step's output to
+# $OUT (default /tmp) as well as to stdout. It runs, in order:
 #
 # 0. the versions: prints `vLLM <version> <GPU name>`.
 # 1. benchmarks/vllm_impossible.py --arms off tailrl suffix ngram (tiny peaked Llama built here, 6 prompts x 3

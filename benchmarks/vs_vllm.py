@@ -122,8 +122,12 @@ def ensure_vllm_venv(venv: Path, suffix: bool, install_suffix: bool = False) -> 
     if suffix and not has("arctic_inference"):
         if install_suffix is False:
             return "arctic-inference is not in the venv (--install-suffix builds it from its sdist, minutes)"
-        if subprocess.run([str(py), "-m", "pip", "install", "-q", "arctic-inference"]).returncode or \
-                not has("arctic_inference"):
+        # its sdist's build asks for an unpinned torch (an isolated build would fetch a CUDA one): build it against
+        # the venv's torch, as `scripts/setup.sh --suffix` does
+        steps = [[str(py), "-m", "pip", "install", "-q", "setuptools", "wheel", "ninja", "cmake", "nanobind==2.9.2"],
+                 [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "arctic-inference==0.3.0"]]
+        env = dict(os.environ, PATH=f"{py.parent}{os.pathsep}{os.environ.get('PATH', '')}")  # CMake finds its Python
+        if any(subprocess.run(cmd, env=env).returncode for cmd in steps) or not has("arctic_inference"):
             return "arctic-inference does not install or import"
     return None
 
