@@ -157,6 +157,6 @@ def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp
     monkeypatch.setattr(vllm_audit, "run_audit", lambda *a: ran.append(a) or vllm_audit.AuditResult(True, 0.001))
     assert vllm_audit.cached_audit("folder", "tailrl", 8, "float32").passed and ran
     monkeypatch.delenv("TAILRL_VLLM_AUDIT")
-    assert vllm_audit.known_verdict("ngram") is not None
+    assert vllm_audit.known_verdict("ngram") is not None and vllm_audit.known_verdict("suffix") is not None
     monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.33.0")  # another build: audited, not assumed
     assert vllm_audit.known_verdict("tailrl") is None and vllm_audit.known_verdict("ngram") is None
