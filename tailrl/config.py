@@ -106,6 +106,11 @@ class AlgoCfg:
     # DAPO's overlong filtering (TRL's mask_truncated_completions): a response cut at rollout.max_tokens leaves the
     # loss (advantage 0, out of the token normalisers), since its reward judges an answer it never finished
     mask_truncated: bool = False
+    # DAPO's dynamic sampling (verl's filter_groups): groups whose rewards are all equal (no gradient) leave the
+    # batch, and rounds of trainer.prompts_per_step more prompts are sampled until that many informative groups are
+    # in hand or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups)
+    dynamic_sampling: bool = False
+    max_gen_rounds: int = 4  # dynamic sampling's rounds per step at most (each costs a rollout)
 
 
 @dataclass
@@ -200,6 +205,7 @@ class Config:
              "false when trainer.overwrite=true (continue the run, or replace it: not both)"),
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
             (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
+            (a.max_gen_rounds >= 1, "algo.max_gen_rounds", ">= 1"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
         ]

@@ -43,7 +43,8 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("data", f"{source}: {len(trainer.train_set)} train / {len(trainer.eval_set)} eval prompts"),
         ("reward", ", ".join(cfg.reward.functions)),
         ("steps", f"{t.steps} x {t.prompts_per_step} prompts x {r.n} samples, max {r.max_tokens} tokens, T {r.temperature:g}; "
-                  f"eval every {t.eval_every or 'never'}, save every {t.save_every or 'end'}"),
+                  f"eval every {t.eval_every or 'never'}, save every {t.save_every or 'end'}"
+                  + (f"; dynamic sampling (up to {cfg.algo.max_gen_rounds} rounds)" if cfg.algo.dynamic_sampling else "")),
         ("rollout", trainer.rollout.version),
         ("speculation", trainer.rollout.spec_note),
         ("run folder", f"{t.out_dir}" + (f" (resumed at step {trainer.step})" if resumed else "")),
@@ -60,6 +61,8 @@ def step_line(step: int, total: int, m: dict, elapsed: float) -> str:
     line = (f"step {step}/{total}  reward {g('reward/mean'):.3f}  acc {g('acc/mean'):.2f}  "
             f"len {g('response_length/mean'):.0f}  gen {g('timing_s/gen'):.1f}s  upd {g('timing_s/update'):.1f}s "
             f"({g('perf/update_tokens_per_s'):.0f} tok/s)  accept {g('spec/accept_length'):.2f}")
+    if m.get("rollout/gen_rounds", 1) > 1 or m.get("rollout/filtered_groups"):  # dynamic sampling
+        line += f"  rounds {m['rollout/gen_rounds']} ({m.get('rollout/informative_groups', 0)} groups kept)"
     if "eval/accuracy" in m:
         line += f"  eval acc {m['eval/accuracy']:.2f}"
     if m.get("train/skipped_steps"):

@@ -79,13 +79,16 @@ def make_report(run_dir: str | Path) -> Path:
         "![report](report.png)", "",
         *tail_lines(tail),
         *eval_lines(evals),
-        "| step | reward | acc | resp len | gen s | update s | step s | accept len |",
-        "|---|---|---|---|---|---|---|---|",
+        # rounds: sampling rounds (more than 1 with algo.dynamic_sampling); groups: those with a spread of rewards
+        # in the update (the rest have advantage 0) / those left out for equal rewards
+        "| step | reward | acc | resp len | rounds | groups kept / filtered | gen s | update s | step s | accept len |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in train:
         lines.append(f"| {r['step']} | {r['reward/mean']:.3f} | {r['acc/mean']:.2f} | {r['response_length/mean']:.0f} | "
-                     f"{r['timing_s/gen']:.1f} | {r['timing_s/update']:.1f} | {r['timing_s/step']:.1f} | "
-                     f"{r.get('spec/accept_length', 1):.2f} |")
+                     f"{r.get('rollout/gen_rounds', 1)} | {r.get('rollout/informative_groups', '-')} / "
+                     f"{r.get('rollout/filtered_groups', 0)} | {r['timing_s/gen']:.1f} | {r.get('timing_s/update', 0):.1f} "
+                     f"| {r['timing_s/step']:.1f} | {r.get('spec/accept_length', 1):.2f} |")
     lines += sample_lines(run_dir)
     md = run_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")

@@ -24,7 +24,8 @@ from ..model.load import resolve_dtype
 from .actor.actor import device_of
 from .algos import group_advantages
 from .checkpoint.store import config_changes, load_checkpoint, save_checkpoint
-from .data import Example, Loader, fit_prompts, load_datasets, peek_rows
+from .data import Loader, fit_prompts, load_datasets, peek_rows
+from .dynamic import Gathered
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
@@ -128,30 +129,29 @@ class Trainer:
             timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t
 
     def train_step(self) -> dict:
-        """One RL step, in its order: generate, score and update (_learn), sync the weights, evaluate."""
+        """One RL step, in its order: generate and score (rounds of them with dynamic sampling), update (_learn),
+        sync the weights, evaluate."""
         cfg, timing, metrics = self.cfg, {}, {}
         t_step = time.perf_counter()
-        self.samples = []
-        examples = [self.train_set[i] for i in self.loader.next(cfg.trainer.prompts_per_step)]
-        with self._phase("gen", timing, "rollout"):
-            all_comps = self.rollout.generate(examples, self.step, self.actor.weights, self.last_step_s)
-        check_rollout_labels(examples, all_comps, cfg.rollout.n)
-        comps, metrics["rollout/rejected"] = self._accepted(all_comps, cfg.rollout.n)
-        rollout = self.rollout.metrics()
+        self.samples, self.skip_reason = [], None
+        got = self._rollout(timing)
+        metrics.update(got.metrics())
         self.phase = ("update", time.perf_counter())
         self.rollout.sleep()
-        if comps:
-            metrics.update(self._learn(examples, comps, timing))
-        else:
+        if got.comps:
+            metrics.update(self._learn(got, timing))
+        elif not got.all_comps:
             self.skip_reason = "every prompt of the step was rejected by the engine"
             metrics["train/skipped_steps"] = 1
+        else:  # dynamic sampling found no group with a spread of rewards: nothing to learn from, no error
+            log.info("step %d: no informative group in %d rounds (every group's rewards equal): no update",
+                     self.step + 1, got.rounds)
         with self._phase("sync", timing):
             metrics["sync/bytes"] = self.actor.sync_to(self.rollout)
             metrics.update(self.rollout.drafter_sync())
         self.rollout.wake()
-        timing["timing_s/sync"] += rollout.pop("timing_s/sync", 0.0)  # Ray workers took this step's weights
-        metrics.update(rollout)
-        metrics.update(response_metrics(comps, all_comps))
+        timing["timing_s/sync"] += metrics.pop("timing_s/sync", 0.0)  # Ray workers took this step's weights
+        metrics.update(response_metrics(got.all_comps, got.sampled))
         self.step += 1
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
             with self._phase("eval", timing):
@@ -160,6 +160,34 @@ class Trainer:
         metrics.update(timing)
         self.phase = None
         return metrics
+
+    def _rollout(self, timing: dict) -> Gathered:
+        """Samples and scores rounds of `prompts_per_step` prompts: one round, or with `algo.dynamic_sampling`
+        until that many groups with a spread of rewards are in hand or `algo.max_gen_rounds` ran (dynamic.py)."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        want = cfg.trainer.prompts_per_step
+        got = Gathered(n, want if cfg.algo.dynamic_sampling else 0)
+        for r in range(cfg.algo.max_gen_rounds if cfg.algo.dynamic_sampling else 1):
+            examples = [self.train_set[i] for i in self.loader.next(want)]
+            t = time.perf_counter()
+            with self._phase("gen", timing, "rollout"):
+                all_comps = self.rollout.generate(examples, self.step, self.actor.weights, self.last_step_s,
+                                                  gen_round=r)
+            gen_s = time.perf_counter() - t
+            check_rollout_labels(examples, all_comps, n)
+            got.sampled += all_comps
+            comps, bad = self._accepted(all_comps, n)
+            got.rollout_metrics.append(({**self.rollout.metrics(), "rollout/rejected": bad},
+                                        sum(len(c.token_ids) for c in all_comps), gen_s))
+            rewards, correct = None, []
+            if comps:
+                with self._phase("reward", timing):
+                    rewards, m, correct = self.rewards.score(examples, comps, n)
+                got.reward_metrics.append((m, len(comps)))
+            got.add(examples, comps, rewards, correct)
+            if got.full:
+                break
+        return got
 
     def evaluate(self) -> dict:
         self.phase = ("eval", time.perf_counter())
@@ -178,14 +206,14 @@ class Trainer:
                         self.step + 1, len(bad), len(groups), next((c.error for c in bad[0] if c.error), "no reason given"))
         return [c for g in groups if g not in bad for c in g], len(bad)
 
-    def _learn(self, examples: list[Example], comps, timing: dict) -> dict:
-        """Rewards -> advantages -> policy update; no optimizer step on a non-finite reward or advantage."""
-        n = self.cfg.rollout.n
-        with self._phase("reward", timing):
-            rewards, metrics, correct = self.rewards.score(examples, comps, n)
-            if self.step + 1 in sample_steps(self.cfg.trainer.steps):
-                self.samples = pick_samples(self.step + 1, [examples[c.prompt_index].prompt for c in comps], comps,
-                                            rewards.tolist(), correct)
+    def _learn(self, got: Gathered, timing: dict) -> dict:
+        """Advantages -> policy update on the gathered groups; no optimizer step on a non-finite reward or
+        advantage."""
+        n, metrics = self.cfg.rollout.n, {}
+        comps, rewards = got.comps, torch.tensor(got.rewards)
+        if self.step + 1 in sample_steps(self.cfg.trainer.steps):
+            self.samples = pick_samples(self.step + 1, [got.examples[c.prompt_index].prompt for c in comps], comps,
+                                        got.rewards, got.correct)
         adv = group_advantages(rewards, n, norm_std=self.cfg.algo.advantage == "grpo")
         bad = "reward" if not torch.isfinite(rewards).all() else "advantage" if not torch.isfinite(adv).all() else None
         if bad:

@@ -13,9 +13,10 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 
-def step_seed(seed: int, step: int, prompt: int) -> int:
-    """Rollout seeds depend only on (run seed, step, prompt): a resumed run samples what the original would."""
-    return (seed * 1_000_003 + step) * 1_000_033 + prompt * 997
+def step_seed(seed: int, step: int, prompt: int, gen_round: int = 0) -> int:
+    """Rollout seeds depend only on (run seed, step, prompt, and the step's sampling round with dynamic sampling):
+    a resumed run samples what the original would."""
+    return (seed * 1_000_003 + step) * 1_000_033 + prompt * 997 + gen_round * 2_654_435_761
 
 
 class Rollout(Protocol):
@@ -36,10 +37,12 @@ class Rollout(Protocol):
     def encode(self, prompt) -> list[int]:
         """A prompt (text or chat messages) as the token ids the rollout will be given."""
 
-    def generate(self, examples: list, step: int, weights: Callable[[], dict], last_step_s: float) -> list:
+    def generate(self, examples: list, step: int, weights: Callable[[], dict], last_step_s: float,
+                 gen_round: int = 0) -> list:
         """One step's samples, rollout.n per prompt, in (prompt, sample) order: Completions (token ids, text,
         per-token logprobs, finish reason). weights(): the policy's tensors by name, for a backend that must load
-        them before it samples (Ray workers); last_step_s: the previous step's time (the spot trainer's share)."""
+        them before it samples (Ray workers); last_step_s: the previous step's time (the spot trainer's share);
+        gen_round: the step's sampling round (dynamic sampling draws more rounds), part of the seeds."""
 
     def greedy(self, examples: list) -> list:
         """Greedy completions of examples (the evaluation), rejected prompts left out."""

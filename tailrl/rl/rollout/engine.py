@@ -116,12 +116,12 @@ class EngineRollout:
         if self.spot is not None:
             self.spot.close()
 
-    def generate(self, examples: list, step: int, weights, last_step_s: float):
+    def generate(self, examples: list, step: int, weights, last_step_s: float, gen_round: int = 0):
         """One step's samples, rollout.n per prompt, in (prompt, sample) order. weights(): the policy's state by
         name, called only with Ray workers (they take this step's weights before the rollout)."""
         r = self.cfg.rollout
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                 top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i)) for i in range(len(examples))]
+                                 top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i, gen_round)) for i in range(len(examples))]
         if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
             comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
@@ -141,9 +141,10 @@ class EngineRollout:
         finally:
             if self.lender is not None:
                 self.lender.stop()
-        self.engine.end_rollout(col.stats)
-        self._metrics = {**self._rollout_metrics(col.stats), **tail_metrics(records, len(col.ids))}
-        return col.result()
+        comps = col.result()  # sets the wall time, which tokens_per_s divides by
+        self.engine.end_rollout(comps.stats)
+        self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, len(col.ids))}
+        return comps
 
     def _rollout_metrics(self, stats) -> dict:
         return {"rollout/batch_invariant": float(self.batch_invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,

@@ -197,7 +197,7 @@ class VllmRollout:
         return Completion(self._ids, i, j, prompt, d.token_ids, d.text, d.logprobs, reason,
                           None if reason != "error" else f"vLLM finish reason {d.finish_reason!r}")
 
-    def generate(self, examples: list, step: int, weights, last_step_s: float) -> Completions:
+    def generate(self, examples: list, step: int, weights, last_step_s: float, gen_round: int = 0) -> Completions:
         """rollout.n samples per prompt, in (prompt, sample) order, with the logprobs of the tokens drawn."""
         r = self.cfg.rollout
         return self._run([ex.ids for ex in examples], self._params(r.n, r.temperature, r.max_tokens))
