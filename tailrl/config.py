@@ -86,9 +86,9 @@ class AlgoCfg:
     advantage: str = "grpo"  # grpo (std-normalised) | dr_grpo (mean-centred only)
     clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
     clip_high: float = 0.28  # DAPO clip-higher
-    # the policy loss: ppo (the clipped token ratio) | gspo (Zheng et al. 2025, arXiv 2507.18071: one length-
-    # normalised ratio per response, clipped; the paper's aggregation is seq-mean-token-mean) | cispo (MiniMax-M1,
-    # arXiv 2506.13585: the clipped, detached token ratio times the log-likelihood; no token loses its gradient)
+    # the policy loss: ppo (the clipped token ratio) | gspo (GSPO, arXiv 2507.18071: one length-normalised, clipped
+    # ratio per response; the paper aggregates seq-mean-token-mean) | cispo (MiniMax-M1, arXiv 2506.13585: the
+    # clipped, detached token ratio times the log-likelihood, so no token loses its gradient)
     loss: str = "ppo"
     gspo_clip_low: float = 3e-4  # loss=gspo: the sequence ratio's clip below 1 (the paper's 5.1, verl's gspo recipe)
     gspo_clip_high: float = 4e-4  # loss=gspo: its clip above 1 (clip_low/high apply to ppo only)
@@ -129,8 +129,8 @@ class RewardCfg:
     # countdown | verl
     accuracy: str = "auto"
     max_failed_steps: int = 3  # a function failing on every sample this many steps in a row stops the run
-    # DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), training samples only: a reward term falling from 0
-    # at rollout.max_tokens minus this many tokens linearly to -overlong_penalty at the cap; 0 = off
+    # DAPO's soft overlong punishment (arXiv 2503.14476 eq 13), on training samples: a reward term falling from 0 at
+    # rollout.max_tokens minus this many tokens linearly to -overlong_penalty at the cap; 0 = off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # the overlong term at rollout.max_tokens (DAPO's penalty factor)
 
