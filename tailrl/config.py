@@ -86,6 +86,14 @@ class AlgoCfg:
     advantage: str = "grpo"  # grpo (std-normalised) | dr_grpo (mean-centred only)
     clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
     clip_high: float = 0.28  # DAPO clip-higher
+    # the policy loss: ppo (the clipped token ratio) | gspo (GSPO, arXiv 2507.18071: one length-normalised, clipped
+    # ratio per response; the paper aggregates seq-mean-token-mean) | cispo (MiniMax-M1, arXiv 2506.13585: the
+    # clipped, detached token ratio times the log-likelihood, so no token loses its gradient)
+    loss: str = "ppo"
+    gspo_clip_low: float = 3e-4  # loss=gspo: the sequence ratio's clip below 1 (the paper's 5.1, verl's gspo recipe)
+    gspo_clip_high: float = 4e-4  # loss=gspo: its clip above 1 (clip_low/high apply to ppo only)
+    # loss=cispo: the weight is capped at 1 + this (5: ScaleRL, arXiv 2510.13786, SkyRL's default); no lower bound
+    cispo_clip_high: float = 4.0
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "k3"  # k1 | k3
@@ -126,6 +134,10 @@ class RewardCfg:
     # countdown | verl
     accuracy: str = "auto"
     max_failed_steps: int = 3  # a function failing on every sample this many steps in a row stops the run
+    # DAPO's soft overlong punishment (arXiv 2503.14476 eq 13), on training samples: a reward term falling from 0 at
+    # rollout.max_tokens minus this many tokens linearly to -overlong_penalty at the cap; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the overlong term at rollout.max_tokens (DAPO's penalty factor)
 
 
 @dataclass
@@ -178,6 +190,12 @@ class Config:
             (a.micro_batch_tokens >= 0, "algo.micro_batch_tokens", ">= 0 (0 = micro-batches of micro_batch_size)"),
             (a.lr > 0, "algo.lr", "> 0"),
             (0 <= a.clip_low < 1 and a.clip_high >= 0, "algo.clip_low", "in [0, 1) with clip_high >= 0"),
+            (0 <= a.gspo_clip_low < 1 and 0 <= a.gspo_clip_high < math.inf, "algo.gspo_clip_low",
+             "in [0, 1) with gspo_clip_high >= 0 and finite"),
+            (0 <= a.cispo_clip_high < math.inf, "algo.cispo_clip_high", ">= 0 and finite"),
+            (0 <= self.reward.overlong_buffer < self.rollout.max_tokens, "reward.overlong_buffer",
+             f">= 0 (0 = off) and below rollout.max_tokens ({self.rollout.max_tokens})"),
+            (0 <= self.reward.overlong_penalty < math.inf, "reward.overlong_penalty", ">= 0 and finite"),
             (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),
             (self.rollout.temperature > 0, "rollout.temperature",
              "> 0 for training (the policy-gradient loss needs the sampling distribution; 0 is greedy)"),

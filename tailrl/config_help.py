@@ -39,7 +39,8 @@ ALIASES = {
     "project_name": "trainer.project", "experiment_name": "trainer.run_name", "model_name_or_path": "model.path",
     "train_files": "data.train_file", "val_files": "data.eval_file", "reward_funcs": "reward.functions",
     "reward_weights": "reward.weights", "dataset": "data.train_file", "dtype": "model.dtype",
-    "mask_truncated_completions": "algo.mask_truncated",
+    "mask_truncated_completions": "algo.mask_truncated", "loss_mode": "algo.loss", "policy_loss_type": "algo.loss",
+    "overlong_buffer_len": "reward.overlong_buffer", "overlong_penalty_factor": "reward.overlong_penalty",
 }
 
 # keys that existed, and why they are gone (an old config gets the reason, not a guess)
@@ -51,8 +52,8 @@ GROUPS = {
     "data": "a JSONL/Parquet (verl's format too) or a built-in task; prompt/answer columns; system prompt",
     "rollout": "sampling (n, max_tokens, temperature), KV cache, Ray workers",
     "rollout.spec": "speculative decoding: mode (auto/off/history/ngram/learned), budgets, history drafter",
-    "algo": "GRPO/DAPO: advantages, clipping, loss aggregation, KL, batches, lr, TIS",
-    "reward": "reward functions (built-ins, verl's data_source routing, module:function), weights, timeouts",
+    "algo": "GRPO/DAPO: advantages, policy loss (ppo/gspo/cispo), clipping, loss aggregation, KL, batches, lr, TIS",
+    "reward": "reward functions (built-ins, verl's data_source routing, module:function), weights, timeouts, overlong penalty",
     "trainer": "steps, prompts per step, eval/save cadence, run folder, resume, loggers (console/jsonl/tensorboard/wandb)",
     "drafter": "the learned EAGLE drafter (off by default): warm start, online spot training",
     "cluster": "several rollout workers (rollout.workers > 1): Ray address, placement, migration",
@@ -69,6 +70,7 @@ CHOICES = {
     "rollout.vllm_spec": ("auto", "tailrl", "ngram", "suffix", "off"),
     "algo.advantage": ("grpo", "dr_grpo"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "algo.loss": ("ppo", "gspo", "cispo"),
     "algo.kl_type": ("k1", "k3"),
     "reward.accuracy": ("auto", "math", "math_strict", "countdown", "verl"),
     "cluster.placement": PLACEMENTS,

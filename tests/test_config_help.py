@@ -53,6 +53,7 @@ def test_suggestions_are_valid_keys_and_nothing_close_says_where_to_look():
     ("rollout.spec.mode=histroy", "rollout.spec.mode", "off, auto, history, ngram, learned"),
     ("cluster.placement=random", "cluster.placement", "histopipe, static"),
     ("rollout.backend=vlm", "rollout.backend", "tailrl, vllm (did you mean vllm?)"),
+    ("algo.loss=gpso", "algo.loss", "ppo, gspo, cispo (did you mean gspo?)"),
 ])
 def test_an_unknown_choice_lists_the_choices(override, key, choices):
     with pytest.raises(ConfigError) as e:

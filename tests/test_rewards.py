@@ -93,3 +93,73 @@ def test_unknown_reward_function_is_named_at_start():
         RewardRunner(["no_such_module:f"])
     with pytest.raises(ValueError, match="weights"):
         RewardRunner(["math"], [1.0, 2.0])
+
+
+def test_overlong_penalty_at_the_windows_edges():
+    """DAPO eq. 13 with L_max = 96, L_cache = 16, penalty 0.5: 0 up to 80 tokens, -0.5/16 at 81, -0.5 at 96 (and
+    beyond); buffer 0 is off."""
+    from tailrl.rl.rewards.overlong import overlong_penalty
+
+    assert overlong_penalty(0, 96, 16, 0.5) == 0.0 and overlong_penalty(80, 96, 16, 0.5) == 0.0
+    assert overlong_penalty(81, 96, 16, 0.5) == pytest.approx(-0.5 / 16)
+    assert overlong_penalty(88, 96, 16, 0.5) == pytest.approx(-0.25)
+    assert overlong_penalty(96, 96, 16, 0.5) == pytest.approx(-0.5) and overlong_penalty(97, 96, 16, 0.5) == -0.5
+    assert overlong_penalty(96, 96, 0, 0.5) == 0.0
+
+
+def overlong_scores(overrides, lengths, group_size):
+    """Rewarder.score of responses that are all right ('#### 1' for answer 1) with the given token lengths."""
+    from types import SimpleNamespace
+
+    from tailrl.config import load_config
+    from tailrl.rl.data import Example
+    from tailrl.rl.rewards.rewarder import Rewarder
+
+    rewarder = Rewarder(load_config(None, ["rollout.max_tokens=10", *overrides]))
+    try:
+        comps = [SimpleNamespace(prompt_index=0, text="#### 1", token_ids=[5] * n) for n in lengths]
+        return rewarder.score([Example(prompt="p", answer="1")], comps, group_size)
+    finally:
+        rewarder.close()
+
+
+def test_overlong_term_joins_training_rewards_only_and_has_its_metrics():
+    lengths = [3, 6, 7, 10]  # L_max 10, L_cache 4: the term is below 0 from 7 tokens
+    rewards, m, correct = overlong_scores(["reward.overlong_buffer=4", "reward.overlong_penalty=2"], lengths, 4)
+    assert rewards.tolist() == pytest.approx([1.0, 1.0, 1 - 2 / 4, 1 - 2.0])
+    assert m["reward/overlong/mean"] == pytest.approx(-2.5 / 4) and m["reward/overlong/frac"] == 0.5
+    assert m["reward/mean"] == pytest.approx(float(rewards.mean())) and correct == [True] * 4
+    # eval (group_size 1) and the default (off): the answers' rewards alone, no overlong metric
+    for overrides, g in ((["reward.overlong_buffer=4"], 1), ([], 4)):
+        rewards, m, _ = overlong_scores(overrides, lengths, g)
+        assert rewards.tolist() == [1.0] * 4 and not any("overlong" in k for k in m)
+
+
+def test_overlong_term_keeps_truncated_responses_masked():
+    """With algo.mask_truncated the cut response (at the cap: the full -penalty) still leaves the update; the term
+    only shapes its siblings' advantages."""
+    from types import SimpleNamespace
+
+    from tailrl.rl.actor.forward import make_batch, mask_truncated
+    from tailrl.rl.algos import group_advantages
+
+    lengths = [3, 8, 10, 4]
+    rewards, _, _ = overlong_scores(["reward.overlong_buffer=4", "algo.mask_truncated=true"], lengths, 4)
+    comps = [SimpleNamespace(prompt_token_ids=[7, 8], token_ids=[5] * n, logprobs=[-1.0] * n) for n in lengths]
+    batch = make_batch(comps, pad=0)
+    adv = mask_truncated(batch, group_advantages(rewards, 4), [n == 10 for n in lengths])
+    assert adv[2] == 0 and batch.mask[2].sum() == 0
+    assert adv[0] > 0 and adv[1] < 0  # the 8-token response pays -0.5 (window 7..10) against the short ones
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.overlong_buffer=96", "below rollout.max_tokens (96)"),
+    ("reward.overlong_buffer=-1", "reward.overlong_buffer"),
+    ("reward.overlong_penalty=-0.5", "reward.overlong_penalty"),
+    ("reward.overlong_penalty=inf", "reward.overlong_penalty"),
+])
+def test_overlong_settings_are_checked(override, message):
+    from tailrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])

@@ -16,22 +16,12 @@ from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import mismatch, policy_update
 from tests.conftest import tiny_model
 from tests.update_helpers import (GRAD_ATOL, GRAD_RTOL, VALUE_TOL, assert_micro_batches_match_padded, assert_same_update,
-                                  padded_reference)
+                                  GradRecorder, comps, padded_reference)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory, "llama", dtype=torch.float32).requires_grad_(True)
-
-
-def comps(seed: int = 0, n: int = 7):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 9))]
-        resp = [rng.randrange(3, 96) for _ in range(rng.randint(1, 14))]
-        out.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-2.0] * len(resp)))
-    return out
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
@@ -103,17 +93,6 @@ def test_policy_loss_multiplies_each_tokens_loss_by_its_weight():
     assert float(loss.detach()) == pytest.approx(-2.5 / 3) and float(plain.detach()) == pytest.approx(-1.0)
     d = mismatch(old, rollout, mask)
     assert d["rollout/logprob_diff"] == pytest.approx(0.5) and d["rollout/logprob_diff_max"] == pytest.approx(1.0)
-
-
-class GradRecorder(torch.optim.Optimizer):
-    """An optimizer that keeps a copy of the gradients each step hands it and moves nothing."""
-
-    def __init__(self, params):
-        super().__init__(list(params), {})
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
 
 
 # rollout ratios exp(old - rollout) given to the response tokens in turn, and the weights that a cap of 2 makes of

@@ -1,10 +1,35 @@
 """Shared by the update's tests (test_update.py, test_packing.py): the padded full-logits reference and the check
 that micro-batches match it. Plain functions; fixtures live in conftest.py."""
 
+import random
+from types import SimpleNamespace
+
 import torch
 
 from tailrl.rl.actor.forward import sequence_logprobs
 from tailrl.rl.algos import policy_loss, token_logprobs
+
+def comps(seed: int = 0, n: int = 7):
+    """n completions of random prompts (3-9 tokens) and responses (1-14 tokens), as the rollout returns them."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 9))]
+        resp = [rng.randrange(3, 96) for _ in range(rng.randint(1, 14))]
+        out.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-2.0] * len(resp)))
+    return out
+
+
+class GradRecorder(torch.optim.Optimizer):
+    """An optimizer that keeps a copy of the gradients each step hands it and moves nothing."""
+
+    def __init__(self, params):
+        super().__init__(list(params), {})
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+
 
 # fp32 tolerances: the chunked path sums the same products in another order
 VALUE_TOL, GRAD_RTOL, GRAD_ATOL = 2e-5, 1e-4, 2e-5

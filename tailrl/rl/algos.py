@@ -1,4 +1,6 @@
-"""GRPO / Dr.GRPO / DAPO pieces as plain functions over padded [B, T] tensors with a response mask."""
+"""GRPO / Dr.GRPO / DAPO pieces, and the GSPO and CISPO policy losses, as plain functions over padded [B, T]
+tensors with a response mask. Every policy loss returns (loss, {"pg_clipfrac", "ppo_kl"}) and takes `weights`
+(truncated importance sampling), so the update calls any of them the same way (POLICY_LOSSES)."""
 
 from __future__ import annotations
 
@@ -45,11 +47,61 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
     loss = aggregate(per_token * weights.detach() if weights is not None else per_token, mask, agg)
+    return loss, _info(clipped > unclipped, logp, old_logp, mask)
+
+
+def _info(clipped: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """pg_clipfrac: the share of response tokens whose ratio was clipped; ppo_kl: mean old - new logprob."""
     with torch.no_grad():
         m = mask.bool()
-        clip_frac = ((clipped > unclipped) & m).float().sum() / m.sum().clamp_min(1)
-        approx_kl = aggregate(old_logp - logp, mask, "token-mean")
-    return loss, {"pg_clipfrac": float(clip_frac), "ppo_kl": float(approx_kl)}
+        frac = (clipped & m).float().sum() / m.sum().clamp_min(1)
+        return {"pg_clipfrac": float(frac), "ppo_kl": float(aggregate(old_logp - logp, mask, "token-mean"))}
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, agg: str = "seq-mean-token-mean",
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the importance ratio of a whole response, length-normalised,
+    s_i = exp(mean over its response tokens of (logp - old_logp)), clipped at [1 - clip_low, 1 + clip_high] (the
+    paper's clips are tiny, 3e-4 / 4e-4, as a sequence ratio moves far less than a token's), and the PPO surrogate
+    -min(s_i A, clip(s_i) A) on it.
+
+    Computed in the paper's GSPO-token form: s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]), whose value is s_i at
+    every token and whose gradient at token t is s_i * grad logp_t (eq. 17-18), so the loss is per token and goes
+    through `aggregate`. With agg=seq-mean-token-mean (the paper's 1/G sum_i 1/|y_i| sum_t) its gradient equals
+    sequence-level GSPO's exactly, s_i A_i / |y_i| on each token; token-mean instead weighs a response by its
+    length. A clipped sequence (s_i past the clip on the side its advantage pushes) has zero gradient. The log
+    ratio is capped at 10 before exp (verl's guard against overflow). advantages [B] or [B, T]."""
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    m = mask.to(logp.dtype)
+    seq_log_ratio = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp_min(1)
+    # the detached sequence log ratio added last, so its value is not rounded into logp's (verl PR 2775)
+    s = torch.exp((logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0))
+    unclipped = -adv * s
+    clipped = -adv * s.clamp(1 - clip_low, 1 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token * weights.detach() if weights is not None else per_token, mask, agg)
+    return loss, _info(clipped > unclipped, logp, old_logp, mask)
+
+
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_low: float = 1.0, clip_high: float = 4.0, agg: str = "token-mean",
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A * logp_t with
+    r_t = exp(logp_t - old_logp_t), token-mean over the batch in the paper. The importance weight is clipped and
+    detached, never the update: every token keeps its gradient, clip(r_t) * A * grad logp_t, also where r_t is past
+    the clip (PPO drops those, among them the rare "fork" tokens the paper found GRPO clipping away). clip_low=1
+    is no lower bound (weight >= 0), as in the paper; the loss's value is a log-likelihood, not a ratio, so it is
+    not on PPO's scale. The log ratio is clamped to [-20, 20] before exp (verl's guard)."""
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp((logp - old_logp).detach().clamp(-20.0, 20.0))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = -weight * adv * logp
+    loss = aggregate(per_token * weights.detach() if weights is not None else per_token, mask, agg)
+    return loss, _info(weight != ratio, logp, old_logp, mask)
+
+
+POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The policy update of one RL step: old/reference logprobs, PPO-clipped mini-batch steps with gradient
-accumulation over micro-batches in which a prompt's samples share one copy of it (packing.py), truncated
-importance sampling, and the non-finite guard.
+"""The policy update of one RL step: old/reference logprobs, mini-batch steps of the policy loss `algo.loss`
+(PPO-clipped by default; GSPO, CISPO: algos.py) with gradient accumulation over micro-batches in which a prompt's
+samples share one copy of it (packing.py; a response is never split, so GSPO's sequence ratio sees all of it),
+truncated importance sampling, and the non-finite guard.
 
 Invariants:
 - `optimizer.step()` runs only when the mini-batch loss and the gradient norm are finite; otherwise the
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from ..algos import aggregate, kl_penalty, policy_loss
+from ..algos import POLICY_LOSSES, aggregate, kl_penalty
 from .forward import Batch, sequence_logprobs
 from .packing import packed_tokens, segments
 from .precision import Precision
@@ -36,6 +37,14 @@ def mismatch(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Ten
     """Engine vs trainer logprobs over response tokens: `rollout/logprob_diff` (mean |diff|) and `_max`."""
     d = (trainer_lp.float() - rollout_lp.float()).abs() * mask
     return {"rollout/logprob_diff": float(d.sum() / mask.sum().clamp_min(1)), "rollout/logprob_diff_max": float(d.max())}
+
+
+def loss_fn(algo) -> tuple:
+    """The policy loss `algo.loss` names (algos.py) and its clip range (clip_low, clip_high): PPO's, GSPO's own
+    (sequence ratios need far smaller clips), or CISPO's weight cap with no lower bound (clip_low 1)."""
+    clips = {"ppo": (algo.clip_low, algo.clip_high), "gspo": (algo.gspo_clip_low, algo.gspo_clip_high),
+             "cispo": (1.0, algo.cispo_clip_high)}
+    return POLICY_LOSSES[algo.loss], clips[algo.loss]
 
 
 def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.Random,
@@ -74,6 +83,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     B = advantages.shape[0]
     mask = batch.mask
     minis, live = update_plan(batch.groups, advantages, a, rng, ref is not None)
+    pg_loss, clips = loss_fn(a)
     live_rows = [i for i in range(B) if live[i]]
     first = set(minis[0])
     t = time.perf_counter()
@@ -115,8 +125,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
             tis = None
             if a.tis_cap > 0:
                 tis = torch.exp(old_lp - batch.rollout_lp[micro].to(logp.device)).clamp(max=a.tis_cap) * m
-            loss, info = policy_loss(logp, old_lp, advantages[micro].to(logp.device), m, a.clip_low,
-                                     a.clip_high, a.loss_agg, weights=tis)
+            loss, info = pg_loss(logp, old_lp, advantages[micro].to(logp.device), m, *clips, a.loss_agg, weights=tis)
             kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, a.loss_agg) if ref_lp is not None else None
             if kl is not None:
                 loss = loss + a.kl_coef * kl

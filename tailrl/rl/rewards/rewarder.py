@@ -2,7 +2,8 @@
 alone) and the strict verifier behind `acc/mean`, scoring a step's completions against their prompts' rows.
 
 Invariant: a completion is scored against the row of the prompt it answered (`prompt_index`); the rollout's
-labels are checked before (guards.check_rollout_labels)."""
+labels are checked before (guards.check_rollout_labels). DAPO's overlong term (overlong.py) enters training
+scores only (group_size > 1): an eval judges answers, not their length; `acc/mean` never includes it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from ...config import Config
 from .runner import RewardRunner
 from .builtin import accuracy_verifier
+from .overlong import overlong_terms
 
 
 class Rewarder:
@@ -18,6 +20,7 @@ class Rewarder:
         r = cfg.reward
         self.runner = RewardRunner(r.functions, r.weights, r.timeout_s, r.max_failed_steps)
         self.verifier = accuracy_verifier(r.accuracy, r.functions)
+        self.overlong = (cfg.rollout.max_tokens, r.overlong_buffer, r.overlong_penalty)
 
     def close(self) -> None:
         self.runner.close()
@@ -31,6 +34,10 @@ class Rewarder:
             columns[key] = [examples[c.prompt_index].columns.get(key) for c in comps]
         total, st = self.runner(prompts, texts, columns)
         correct = [self.verifier(t, **{k: v[i] for k, v in columns.items()}) for i, t in enumerate(texts)]
+        over = {}
+        if group_size > 1 and self.overlong[1] > 0:
+            terms, over = overlong_terms([len(c.token_ids) for c in comps], *self.overlong)
+            total = [t + p for t, p in zip(total, terms)]
         rewards = torch.tensor(total)
         groups = rewards.view(-1, group_size)
         metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -39,4 +46,5 @@ class Rewarder:
                    "reward/invalid": st.invalid}
         for name, v in st.per_fn.items():
             metrics[f"reward/{name.split(':')[-1]}/mean"] = v
+        metrics.update(over)
         return rewards, metrics, correct
