@@ -101,7 +101,10 @@ class AlgoCfg:
     mini_batch_size: int = 16  # sequences per optimizer step
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     micro_batch_tokens: int = 0  # > 0: micro-batches by packed tokens (prompts once per group, no padding)
-    lr: float = 3e-5  # AdamW learning rate
+    lr: float = 3e-5  # AdamW learning rate (the peak, with a schedule)
+    lr_schedule: str = "constant"  # constant | cosine (per RL step, down to lr * lr_min_ratio at trainer.steps)
+    lr_warmup_steps: int = 0  # RL steps of linear warmup before the schedule
+    lr_min_ratio: float = 0.1  # cosine: the last step's rate over lr
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # gradient norm clip
     # truncated importance sampling against the rollout engine's logprobs (verl's TIS): each token's loss times
@@ -224,6 +227,7 @@ class Config:
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
             (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
             (a.max_gen_rounds >= 1, "algo.max_gen_rounds", ">= 1"),
+            (a.lr_warmup_steps >= 0 and 0 <= a.lr_min_ratio <= 1, "algo.lr_warmup_steps", ">= 0 (and lr_min_ratio in [0, 1])"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
         ]

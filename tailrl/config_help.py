@@ -41,6 +41,8 @@ ALIASES = {
     "reward_weights": "reward.weights", "dataset": "data.train_file", "dtype": "model.dtype",
     "mask_truncated_completions": "algo.mask_truncated", "loss_mode": "algo.loss", "policy_loss_type": "algo.loss",
     "overlong_buffer_len": "reward.overlong_buffer", "overlong_penalty_factor": "reward.overlong_penalty",
+    "lr_scheduler_type": "algo.lr_schedule", "warmup_steps": "algo.lr_warmup_steps",
+    "filter_groups": "algo.dynamic_sampling", "max_num_gen_batches": "algo.max_gen_rounds",
 }
 
 # keys that existed, and why they are gone (an old config gets the reason, not a guess)
@@ -71,6 +73,7 @@ CHOICES = {
     "algo.advantage": ("grpo", "dr_grpo"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "algo.loss": ("ppo", "gspo", "cispo"),
+    "algo.lr_schedule": ("constant", "cosine"),
     "algo.kl_type": ("k1", "k3"),
     "reward.accuracy": ("auto", "math", "math_strict", "countdown", "verl"),
     "cluster.placement": PLACEMENTS,

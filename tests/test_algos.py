@@ -178,3 +178,16 @@ def test_gspo_and_cispo_take_tis_weights_like_ppo():
         loss, _ = fn(logp, logp.detach(), adv, mask, agg="token-mean", weights=w)
         loss.backward()
         assert logp.grad.tolist()[0] == pytest.approx([-1.5 * 0.5 / 2, -1.5 * 2.0 / 2, 0.0], rel=1e-12), fn.__name__
+
+
+def test_lr_schedule_warmup_constant_and_cosine_ends():
+    from tailrl.rl.algos import lr_at
+
+    assert [lr_at(1.0, "constant", k, 8, warmup=3) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cos = [lr_at(1.0, "cosine", k, 16, min_ratio=0.1) for k in range(16)]
+    assert cos[0] == 1.0 and abs(cos[-1] - 0.1) < 1e-12  # from the peak at the first step to the floor at the last
+    assert all(a > b for a, b in zip(cos, cos[1:]))
+    assert abs(cos[15 // 2] - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 15)))) < 1e-12
+    assert lr_at(1.0, "cosine", 20, 16, min_ratio=0.1) == pytest.approx(0.1)  # past the end: the floor
+    with pytest.raises(ValueError, match="cosine"):
+        lr_at(1.0, "linear", 3, 16)

@@ -74,7 +74,7 @@ def test_config_show_reads_back_with_docs(tmp_path, capsys):
     (tmp_path / "my.yaml").write_text("algo:\n  lr: 1.0e-5\nrollout:\n  spec:\n    mode: 'off'\n")
     assert main(["config", "show", str(tmp_path / "my.yaml"), "rollout.n=4", "data.levels=[]"]) == 0
     text = capsys.readouterr().out
-    assert "  lr: 1.0e-05  # AdamW learning rate\n" in text
+    assert "  lr: 1.0e-05  # AdamW learning rate (the peak, with a schedule)\n" in text
     assert "    mode: 'off'  # off | auto" in text
     body = [line for line in text.splitlines() if ":" in line and not line.rstrip().endswith(":")
             and "#" not in line.split(":", 1)[1].split("  #")[0]]

@@ -4,6 +4,8 @@ tensors with a response mask. Every policy loss returns (loss, {"pg_clipfrac", "
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -102,6 +104,24 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
 
 
 POLICY_LOSSES = {"ppo": policy_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(lr: float, schedule: str, step: int, steps: int, warmup: int = 0, min_ratio: float = 0.0) -> float:
+    """The learning rate of RL step `step` (0-based) of `steps`: a linear warmup over the first `warmup` steps, then
+    constant, or a cosine from lr down to lr * min_ratio at the last step (verl's and TRL's cosine schedule, per RL
+    step: every optimizer step of an RL step's update takes the same rate). A function of the step alone, so a
+    resumed run takes the rates the uninterrupted one took."""
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if schedule == "constant" or steps - warmup <= 1:
+        return lr
+    if schedule == "cosine":
+        progress = min((step - warmup) / (steps - warmup - 1), 1.0)
+        return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

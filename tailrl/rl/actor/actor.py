@@ -23,6 +23,7 @@ from .fsdp import apply_fsdp, full_layers, local_bytes
 from .forward import Batch
 from .precision import Precision, make_adamw, resolve_mode
 from .ranks import SINGLE, Ranks
+from ..algos import lr_at
 from .update import policy_update
 
 
@@ -62,8 +63,14 @@ class Actor:
     def update(self, batch: Batch, advantages: torch.Tensor, step: int, timing: dict) -> tuple[dict, str | None]:
         """The policy update of RL step `step` (0-based): (actor metrics, why no optimizer step was taken or None)."""
         rng = random.Random(f"{self.cfg.trainer.seed}-update-{step}")
-        return policy_update(self.prec, self.optimizer, self.ref, batch, advantages, self.cfg.algo,
-                             self.cfg.rollout.temperature, rng, timing, self.ranks)
+        a = self.cfg.algo
+        lr = lr_at(a.lr, a.lr_schedule, step, self.cfg.trainer.steps, a.lr_warmup_steps, a.lr_min_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        metrics, reason = policy_update(self.prec, self.optimizer, self.ref, batch, advantages, a,
+                                        self.cfg.rollout.temperature, rng, timing, self.ranks)
+        metrics["actor/lr"] = lr
+        return metrics, reason
 
     # ---- weights out ---------------------------------------------------------------------------------------
 
