@@ -52,7 +52,7 @@ class VllmActor:
 
     def __init__(self, index: int, folder: str, dtype: str, seed: int, max_len: int, spec: dict | None,
                  max_num_seqs: int, threads: int, env: dict):
-        os.environ.update(env)  # the trainer's VLLM_* settings (KV cache size, ...), whatever Ray's workers inherited
+        os.environ.update(env)  # the trainer's VLLM_* and TAILRL_VLLM_* settings, whatever Ray's workers inherited
         cpus = pinned_cpus(env.get("VLLM_CPU_OMP_THREADS_BIND", ""), index)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
@@ -100,7 +100,7 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     r = cfg.rollout
     start_ray(cfg.cluster.address)
     gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "TAILRL_VLLM_"))}  # TAILRL_VLLM_REPAIR too
     actor = ray.remote(VllmActor).options(num_cpus=0 if gpus else r.worker_threads, num_gpus=gpus,
                                           max_concurrency=1, max_restarts=0)
     handles = [actor.remote(i, folder, dtype, cfg.trainer.seed, max_len, spec, r.max_num_seqs, r.worker_threads, env)

@@ -23,7 +23,7 @@ from ...config import Config
 from ...engine.sequence import Completion
 from ...engine.stats import Completions, GenerateStats
 from ...engine.requests import encode as encode_prompt
-from .vllm_llm import hf_folder, make_llm, require_vllm, vllm_dtype, vllm_version
+from .vllm_llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
 from .vllm_spec import speculative_config
 
 
@@ -155,7 +155,9 @@ class VllmRollout:
         else:
             self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
                                 r.max_num_seqs)
-        self.version = vllm_version() + (f" x {r.workers} Ray actors" if r.workers > 1 else "")
+        note = repair_note()
+        self.version = (vllm_version() + (f" x {r.workers} Ray actors" if r.workers > 1 else "")
+                        + (f" ({note})" if note else ""))
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
