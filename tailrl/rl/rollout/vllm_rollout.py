@@ -172,6 +172,15 @@ class VllmRollout:
         return dict(n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
                     top_k=r.top_k if temperature else 0, max_tokens=max_tokens, logprobs=0)
 
+    def sample(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+               stop: list[str] | None = None) -> Completions:
+        """n samples per prompt (token ids), in (prompt, sample) order, with rollout.top_k/top_p and stop strings:
+        what `tailrl generate --backend vllm` calls; the prompts' samples become our proposer's history."""
+        params = self._params(n, temperature, max_tokens)
+        if stop:
+            params["stop"] = list(stop)
+        return self._run(prompts, params)
+
     def _run(self, prompts: list[list[int]], params: dict, observe: bool = True) -> Completions:
         t0 = time.perf_counter()
         if self.cluster is not None:
