@@ -8,14 +8,7 @@ import os
 import sys
 import time
 
-
-def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
-    """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload."""
-    from .rl.data import chat_prompt
-    from .rl.tasks import make_rows
-
-    return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]
-
+from .rl.data import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
 
 def engine_sampler(engine):
     """A speculative/audit.py Sampler drawing from one of our engines (with the logprobs it reports)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tailrl.rl.rollout.vllm_ray import VllmCluster, pinned_cpus
-from tailrl.rl.rollout.vllm_rollout import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
+from tailrl.rl.rollout.vllm_io import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
 
 
 class Ref:

@@ -25,7 +25,7 @@ from tailrl.rl.rollout.vllm_audit import PROPOSER  # noqa: E402
 from tailrl.rl.rollout.vllm_llm import make_llm  # noqa: E402
 from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts  # noqa: E402
 from tailrl.rl.rollout.vllm_repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
-from tailrl.rl.rollout.vllm_rollout import stream_weights  # noqa: E402
+from tailrl.rl.rollout.vllm_io import stream_weights  # noqa: E402
 
 WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
 

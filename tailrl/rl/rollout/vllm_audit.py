@@ -22,6 +22,7 @@ from pathlib import Path
 from ...engine.requests import encode
 from ...speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
                                   score_arm, tol_for)
+from .vllm_io import draw as draw_llm
 from .vllm_llm import hf_folder, make_llm, vllm_version
 from .vllm_repair import REPAIRED, UNREPAIRED, expected_state
 
@@ -44,20 +45,10 @@ def spec_dict(method: str, k: int) -> dict | None:
 def llm_sampler(llm, proposer: bool):
     """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm), with the logprobs
     vLLM reports for the tokens drawn (processed: under the distribution each was drawn from)."""
-    from vllm import SamplingParams
-
-    from .vllm_proposer import end_rollout, push_prompts
-
     def sample(prompts, temperature, n, max_tokens, seed):
-        if proposer:
-            llm.collective_rpc(push_prompts, args=(prompts,))
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0),
-                            use_tqdm=False)
-        if proposer:
-            llm.collective_rpc(end_rollout)
-        return [[Response(o.token_ids, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)] if o.logprobs else None)
-                 for o in out.outputs] for out in outs]
+        params = dict(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0)
+        drawn, _ = draw_llm(llm, prompts, params, proposer)
+        return [[Response(d.token_ids, d.logprobs or None) for d in per_prompt] for per_prompt in drawn]
 
     return sample
 
@@ -117,7 +108,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if prompts is None:
         from transformers import AutoTokenizer
 
-        from ...cli_audit import audit_prompts
+        from ..data import audit_prompts
 
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)

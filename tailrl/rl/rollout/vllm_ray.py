@@ -8,7 +8,7 @@ placement.affine). cluster.placement=static splits the prompts in order instead.
 sample) order, as from one LLM, and make the same `Completion`s (vllm_rollout.py).
 
 Weights: after each optimizer step, one object-store put of the (name, tensor) pairs in the rollout's dtype, and
-every actor streams them into its LLM through vLLM's checkpoint loader (vllm_rollout.stream_weights).
+every actor streams them into its LLM through vLLM's checkpoint loader (vllm_io.stream_weights).
 
 Threads: an actor holds rollout.worker_threads CPUs in Ray and runs torch, which vLLM's in-process CPU worker
 computes with, on that many threads, so N actors on N x worker_threads cores do not oversubscribe them. A
@@ -70,13 +70,13 @@ class VllmActor:
         return self.index, torch.get_num_threads()
 
     def load_weights(self, weights: dict, dtype: torch.dtype, tied: bool) -> int:
-        from .vllm_rollout import stream_weights
+        from .vllm_io import stream_weights
 
         return stream_weights(self.llm, weights.items(), dtype, tied)
 
     def draw(self, prompts: list[list[int]], params: dict) -> tuple[list, dict | None, float]:
         """(per prompt its samples, our proposer's counters or None, seconds spent)."""
-        from .vllm_rollout import draw
+        from .vllm_io import draw
 
         t = time.perf_counter()
         drawn, spec = draw(self.llm, prompts, params, self.proposer)
@@ -159,7 +159,7 @@ class VllmCluster:
         return sum(t.numel() * t.element_size() for t in weights.values())
 
     def draw(self, prompts: list[list[int]], params: dict, observe: bool = True) -> tuple[list, dict | None]:
-        """Like vllm_rollout.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
+        """Like vllm_io.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
         observe: the lengths feed the predictor (sampled rollouts; not greedy evaluations)."""
         units = [Unit(i, 0, params["n"], self.predictor.predict(p)) for i, p in enumerate(prompts)]
         W = len(self.handles)
