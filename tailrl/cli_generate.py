@@ -96,6 +96,9 @@ def vllm_backend(args, model, tokenizer, sampling):
 
     if args.drafter:
         raise ValueError("--backend vllm does not run the learned drafter (--drafter)")
+    # vLLM logs to stdout at INFO by default: to stderr here, at WARNING unless -v, so stdout is the report
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if getattr(args, "verbose", False) else "WARNING")
     held = []
 
     def generate(prompts):
