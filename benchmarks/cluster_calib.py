@@ -1,6 +1,6 @@
 """Calibration for benchmarks/cluster_sim.py: measures the step-cost model on SmolLM2-135M (forward time against
-batch size and context, from timed `generate` calls at two lengths), then runs one single-worker rollout and
-prints the simulator's prediction of its wall time next to the measurement.
+batch size and context, from timed `generate` calls at two lengths). `cluster_sim.py --measure` calls it and then
+checks the simulator against one measured single-worker rollout; this module does not import the simulator.
 
     .venv/bin/python benchmarks/cluster_calib.py [--threads 1]
 """
@@ -54,27 +54,8 @@ def measure_cost(engine: Engine, tok, short: int = 8, long: int = 40) -> tuple[S
     return StepCost.fit(decode, prefill), rows
 
 
-def single_worker_check(engine: Engine, tok, cost: StepCost, n: int = 4, max_tokens: int = 256) -> dict:
-    """One rollout (8 chat prompts x n at T=1) on this engine, and the simulator's prediction from its lengths."""
-    from cluster_sim import Seq, simulate  # benchmarks/cluster_sim.py
-
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
-               for c in CHATS]
-    prompts = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
-    t = time.perf_counter()
-    comps = engine.generate(prompts, params)
-    measured = time.perf_counter() - t
-    units = []
-    for i, p in enumerate(prompts):
-        units.append([Seq(len(c.token_ids), len(p), [], 0.0) for c in comps if c.prompt_index == i])
-    sim = simulate([units], cost, engine.config.max_num_seqs, max_tokens)
-    lens = sorted(len(c.token_ids) for c in comps)
-    return {"measured_s": measured, "simulated_s": sim["makespan"], "error": sim["makespan"] / measured - 1,
-            "lengths": f"min {lens[0]}, median {lens[len(lens) // 2]}, max {lens[-1]}, {len(lens)} samples"}
-
-
-def calibrate(threads: int = 1) -> StepCost:
+def calibrate(threads: int = 1) -> tuple[StepCost, Engine, object]:
+    """The fitted cost model, and the engine and tokenizer it was measured on."""
     torch.set_num_threads(threads)
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     engine = Engine(model, tok, EngineConfig(kv_cache_gb=1.0))
@@ -88,11 +69,7 @@ def calibrate(threads: int = 1) -> StepCost:
     print(f"\nfitted decode: {cost.base_s * 1000:.2f} ms + {cost.per_token_s * 1000:.3f} ms per token "
           f"+ {cost.per_attn_s * 1e6:.4f} us per attended (query, key) pair; prefill: {cost.prefill_base_s * 1000:.1f} ms "
           f"+ {cost.prefill_token_s * 1000:.3f} ms per token\n")
-    check = single_worker_check(engine, tok, cost)
-    print("| single-worker rollout | measured s | simulated s | error |\n|---|---|---|---|")
-    print(f"| 8 prompts x 4 at T=1, max 256 ({check['lengths']}) | {check['measured_s']:.1f} | "
-          f"{check['simulated_s']:.1f} | {check['error'] * 100:+.1f}% |\n")
-    return cost
+    return cost, engine, tok
 
 
 if __name__ == "__main__":

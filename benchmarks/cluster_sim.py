@@ -244,6 +244,27 @@ def table(cost: StepCost, workers_list, groups_per_worker: int, n: int, cap: int
     return rows
 
 
+def single_worker_check(engine, tok, cost: StepCost, n: int = 4, max_tokens: int = 256) -> dict:
+    """One rollout (8 chat prompts x n at T=1) on this engine, and the simulator's prediction from its lengths."""
+    from cluster_calib import CHATS  # benchmarks/cluster_calib.py
+    from tailrl.engine import SamplingParams
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+               for c in CHATS]
+    prompts = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
+    t = time.perf_counter()
+    comps = engine.generate(prompts, params)
+    measured = time.perf_counter() - t
+    units = []
+    for i, p in enumerate(prompts):
+        units.append([Seq(len(c.token_ids), len(p), [], 0.0) for c in comps if c.prompt_index == i])
+    sim = simulate([units], cost, engine.config.max_num_seqs, max_tokens)
+    lens = sorted(len(c.token_ids) for c in comps)
+    return {"measured_s": measured, "simulated_s": sim["makespan"], "error": sim["makespan"] / measured - 1,
+            "lengths": f"min {lens[0]}, median {lens[len(lens) // 2]}, max {lens[-1]}, {len(lens)} samples"}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--measure", action="store_true", help="measure the cost model and a 1-worker rollout on SmolLM2")
@@ -261,7 +282,11 @@ def main():
     if args.measure:
         from cluster_calib import calibrate  # benchmarks/cluster_calib.py
 
-        cost = calibrate()
+        cost, engine, tok = calibrate()
+        check = single_worker_check(engine, tok, cost)
+        print("| single-worker rollout | measured s | simulated s | error |\n|---|---|---|---|")
+        print(f"| 8 prompts x 4 at T=1, max 256 ({check['lengths']}) | {check['measured_s']:.1f} | "
+              f"{check['simulated_s']:.1f} | {check['error'] * 100:+.1f}% |\n")
     else:
         cost = StepCost(*(float(x) for x in args.cost.split(",")))
     print(f"cost model: {cost.to_dict()}")
