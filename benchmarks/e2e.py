@@ -39,7 +39,7 @@ def run_tailrl(out: Path, seed: int, arm: str, extra: list[str], preset: str = "
     cmd = [sys.executable, "-m", "tailrl.cli", "train", *(["--preset", preset] if preset else []),
            f"trainer.out_dir={out}", f"trainer.seed={seed}",
            *ARMS[arm], "trainer.overwrite=true",
-           # one checkpoint per arm on disk (1.6 GB with AdamW; replay.py needs the last): a benchmark folder of
+           # one checkpoint per arm on disk (1.6 GB with AdamW; resuming needs the last): a benchmark folder of
            # several arms once filled the disk with the default 2
            "trainer.keep_checkpoints=1", *extra]
     print("$", " ".join(cmd[2:]), flush=True)

@@ -52,7 +52,8 @@ class DataCfg:
     levels: list[int] = field(default_factory=lambda: [1, 2])
     prompt_key: str = "prompt"  # the prompt column; a dotted path reaches into a nested column
     answer_key: str = "answer"  # the answer column, e.g. reward_model.ground_truth (verl's, picked by itself)
-    # the default run's: SmolLM2-135M rarely writes the answer line unprompted (benchmarks/instructions.py)
+    # the default run's: SmolLM2-135M rarely writes the answer line unprompted
+    # (benchmarks/instructions.py, in git at dc02aa5)
     system_prompt: str = SYSTEM_PROMPT
     max_prompt_tokens: int = 256  # longer prompts are skipped with a warning
 

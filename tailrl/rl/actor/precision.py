@@ -80,9 +80,9 @@ class Precision:
 def make_adamw(params, **kwargs) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel where the parameters allow it (floating point, on CPU or CUDA): one pass over
     each tensor instead of a dozen elementwise ops. On this CPU a step over SmolLM2-135M's fp32 master takes 0.075 s
-    fused against 0.52 s with the default (foreach) kernels (benchmarks/optimizer.py), and the default update takes
-    4 steps per RL step. The same
-    algorithm; results differ from the foreach kernels by float rounding (tests/test_update.py)."""
+    fused against 0.52 s with the default (foreach) kernels (benchmarks/optimizer.py, in git at dc02aa5), and the
+    default update takes 4 steps per RL step. The same algorithm; results differ from the foreach kernels by float
+    rounding (tests/test_update.py)."""
     params = list(params)
     if all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params):
         try:
