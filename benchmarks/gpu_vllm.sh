@@ -18,7 +18,8 @@
 #       --no-index --target /tmp/site` over the image's torch, the GGUF put where `smollm2-135m` resolves. Then the
 #       vLLM checks: versions, the torch C symbols vLLM's compiled ops import (out/gpu_dl/vllm_torch_symbols.txt)
 #       looked up in the image's libtorch, `import vllm`, and a tiny random Llama generating 8 tokens, eager and
-#       compiled (CUDA graphs); each failure is printed with what it says about torch 2.11. SUFFIX=1 also builds
+#       compiled (CUDA graphs), in the call that installs (CHECK=1 repeats them); each failure is printed with what it
+#       says about torch 2.11. SUFFIX=1 also builds
 #       arctic-inference (vLLM's suffix SD) against the image's torch (about a minute on 16 cores).
 #   bash benchmarks/gpu_vllm.sh run [STEP...]   DEVICE, after install: the GPU checks of rollout.backend=vllm, output
 #       to stdout and $OUT (the tool's folder that comes back). Steps (default: impossible audit e2e):
@@ -105,6 +106,7 @@ install)
     cp /tmp/wheels/vllm_torch_symbols.txt $SITE/ && touch $SITE/.vllm_installed && rm -f /tmp/gpu_wheels/piece_*
     echo "install: $(ls /tmp/wheels/*.whl | wc -l) wheels into $SITE; pip check (conflicts with the image's versions):"
     python3 -m pip check 2>&1 | grep -v "^No broken" | head -20 || true
+    CHECK=1
   fi
   if [ "${SUFFIX:-0}" = 1 ] && ! python3 -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/build-site /tmp/wheels/nanobind-*.whl
@@ -112,6 +114,7 @@ install)
       --no-build-isolation --target $SITE /tmp/wheels/arctic_inference-*.tar.gz \
       && echo "install: arctic-inference built (suffix SD)" || echo "install: arctic-inference did not build: no suffix arm"
   fi
+  [ "${CHECK:-0}" = 1 ] || { echo "install: vLLM installed earlier (CHECK=1 repeats its checks)"; exit 0; }
   python3 - <<'EOF'
 import ctypes, os, sys, tempfile, time, traceback
 import torch
