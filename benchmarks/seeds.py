@@ -9,21 +9,10 @@ read the mean over seeds, and the per-seed values beside it for the spread."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-
-def load(folder: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    rows, evals = {}, {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if "eval/accuracy" in r:
-                evals[int(r["step"])] = float(r["eval/accuracy"])
-            if "timing_s/step" in r:
-                rows[int(r["step"])] = r
-    return rows, evals
+from compare_runs import load  # (step rows, eval accuracies by step) of a run folder
 
 
 def mean(xs: list[float]) -> float:
