@@ -176,7 +176,7 @@ def test_all_zero_advantages_still_step_adam_on_zero_gradients(tiny):
     algo = AlgoCfg(mini_batch_size=3, micro_batch_size=2)
     master, opt, m = run_update(tiny, batch, torch.zeros(6), algo)
     assert m["actor/zero_adv_skipped"] == 1.0 and m["perf/update_tokens_per_s"] == 0
-    assert "rollout/logprob_diff" not in m  # nothing computed, nothing measured
+    assert "rollout/logprob_diff" not in m and "actor/entropy" not in m  # nothing computed, nothing measured
     assert all(int(opt.state[p]["step"]) == 2 for p in master.parameters())
     assert all(torch.equal(p, q) for p, q in zip(master.parameters(), tiny.parameters()))  # Adam from rest: no move
 

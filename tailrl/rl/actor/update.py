@@ -172,6 +172,9 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         out.update(mismatch(old[live_rows], batch.rollout_lp[live_rows], mask[live_rows]))
     out["actor/lr"] = a.lr
     out["actor/zero_adv_skipped"] = (B - len(live_rows)) / B
+    if not live_rows:  # no sequence computed: no entropy or ratio to report (a 0 would read as a collapsed policy)
+        for k in ("actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):
+            out.pop(k)
     out["train/skipped_steps"] = skipped
     # tokens through forward + backward (prompt and response, no padding), per second of the update phase; and the
     # whole batch's tokens per second, the rate a computation of every sequence would have to match
