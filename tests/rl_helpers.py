@@ -27,13 +27,19 @@ def write_task(path, n: int = 64, extra_rows=()) -> str:
     return str(path)
 
 
+# tests extend a run (2 steps, then resumed to 3) and compare it with a run of 3 steps: under the default cosine
+# schedule over trainer.steps the two take other rates, so these runs train at a constant rate (test_trainer.py has
+# the cosine run's own resume check, at one trainer.steps)
+PIN_LR = ("algo.lr_schedule=constant",)
+
+
 def tiny_cfg(tiny_chat, task_file, out, *extra):
     return load_config(None, [
         f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={out}",
         "reward.functions=[tests.rl_helpers:count_a]", "reward.weights=[1.0]", "rollout.n=8",
         "rollout.max_tokens=8", "trainer.prompts_per_step=4", "algo.lr=0.02", "algo.mini_batch_size=16",
         "algo.micro_batch_size=8", "trainer.eval_every=0", "trainer.save_every=1", "rollout.spec.mode=auto",
-        "rollout.kv_cache_gb=0.1", "trainer.report=false", *extra])
+        "rollout.kv_cache_gb=0.1", "trainer.report=false", *PIN_LR, *extra])
 
 
 def small_cfg(tiny_chat, task_file, out, *extra):

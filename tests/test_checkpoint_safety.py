@@ -16,7 +16,7 @@ from tailrl.rl.run import train
 from tailrl.rl.checkpoint.state_check import python_rng
 from tailrl.rl.checkpoint.state_io import PICKLED, STATE_JSON, STATE_TENSORS, read_state
 from tailrl.rl.trainer import Trainer
-from tests.rl_helpers import small_cfg
+from tests.rl_helpers import PIN_LR, small_cfg
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 
@@ -42,7 +42,7 @@ def overrides(tiny_chat, task_file, out, *extra) -> list[str]:
     return [f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={out}",
             *BUILTIN_REWARD, "rollout.n=4", "trainer.prompts_per_step=2", "rollout.max_tokens=6",
             "algo.mini_batch_size=8", "algo.micro_batch_size=8", "trainer.eval_every=0", "trainer.save_every=1",
-            "rollout.kv_cache_gb=0.1", "trainer.report=false", *extra]
+            "rollout.kv_cache_gb=0.1", "trainer.report=false", *PIN_LR, *extra]
 
 
 @pytest.fixture(scope="module")

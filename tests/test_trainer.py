@@ -63,6 +63,26 @@ def test_kill_and_resume_continues_exactly(tiny_chat, task_file, tmp_path):
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa), "weights differ after step 3"
 
 
+def test_a_cosine_run_killed_after_a_step_resumes_at_the_same_rates(tiny_chat, task_file, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    extra = ("trainer.steps=3", "algo.mini_batch_size=8", "algo.lr_schedule=cosine", "algo.lr_min_ratio=0.1")
+    run = train(tiny_cfg(tiny_chat, task_file, tmp_path / "run", *extra))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.02, 0.011, 0.002])  # tiny_cfg's lr 0.02, floor 0.1
+    w3 = load_file(str(run / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    shutil.rmtree(run / "checkpoints" / "step_000003")  # killed before its last checkpoint was written
+    train(tiny_cfg(tiny_chat, task_file, run, *extra, "trainer.resume=true"))
+    again = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert again["step"] == 3 and again["actor/lr"] == pytest.approx(0.002)
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_lengths"):
+        assert again[key] == pytest.approx(rows[2][key], rel=1e-5, abs=1e-6), key
+    wb = load_file(str(run / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    assert all(torch.allclose(w3[k], wb[k], rtol=1e-5, atol=1e-7) for k in w3), "weights differ after step 3"
+
+
 def test_raising_and_hanging_rewards_do_not_stop_a_run(tiny_chat, task_file, tmp_path):
     cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "reward.timeout_s=5",
                    "reward.functions=[tests.test_trainer:always_raises,tests.test_trainer:always_hangs,tests.rl_helpers:count_a]",
