@@ -17,15 +17,16 @@ BUILTIN_REWARD = ("reward.functions=[math]", "reward.weights=[1.0]")
 
 
 def test_non_finite_loss_skips_the_update_and_stops_the_run(tiny_chat, task_file, tmp_path, monkeypatch):
-    import tailrl.rl.actor.update as update
     from safetensors.torch import load_file
+
+    from tailrl.rl import algos
 
     from tailrl.model import load_model
 
     def nan_loss(logp, *a, **k):
         return (logp * float("nan")).sum(), {"pg_clipfrac": 0.0, "ppo_kl": 0.0}
 
-    monkeypatch.setattr(update, "policy_loss", nan_loss)
+    monkeypatch.setitem(algos.POLICY_LOSSES, "ppo", nan_loss)  # the update picks its loss from this table
     initial = load_model(tiny_chat, device="cpu")[0].state_dict()
     cfg = small_cfg(tiny_chat, task_file, tmp_path / "run", *BUILTIN_REWARD, "trainer.steps=5",
                     "trainer.max_skipped_steps=2",
