@@ -32,9 +32,12 @@ def test_smollm_logits_match_transformers(smollm, hf_smollm):
     with torch.no_grad():
         ref = hf_smollm(ids[None]).logits[0]
         full, _ = model.forward_full(ids[None])
-    assert (full[0] - ref).abs().max() < TOL
+    # relative to the logits' scale (up to ~20 here): 30 layers of fp32 sums in the orders each CPU's kernels take
+    # (AMX, AVX-512, AVX2 block the reductions differently) put the difference at 1e-4 absolute on an AMX Xeon
+    tol = TOL * max(1.0, float(ref.abs().max()))
+    assert (full[0] - ref).abs().max() < tol
     cached = prefill_then_decode(model, ids, len(ids) - 4)
-    assert (cached - ref).abs().max() < TOL
+    assert (cached - ref).abs().max() < tol
 
 
 @pytest.mark.slow  # SmolLM2 in transformers: loading it is 25 s of the fast tier
