@@ -71,9 +71,9 @@ def test_two_ray_workers_equal_one_engine(tiny, mode, epochs):
                 if mode == "off":
                     assert not drafts
                 elif epoch == 1:
+                    # (not compared with the fresh reference engine's acceptance: its draft budgets follow measured step
+                    # times, and on a loaded AMX Xeon it accepted more than the workers in 2 of 4 runs: 365 vs 353)
                     assert drafts["drafted"] > 0 and drafts["accepted"] > 0, drafts
-                    if greedy:  # the first epoch's greedy responses, drafted again
-                        assert drafts["accepted"] > ref.stats.drafters.get("history", {}).get("accepted", 0), drafts
         assert cr.metrics["cluster/worker_failures"] == 0
         assert out.stats.generated_tokens == sum(len(c.token_ids) for c in out)
     finally:
