@@ -20,6 +20,9 @@ from .presets import preset_file, preset_names
 from .speculative.config import SpecConfig
 
 
+PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
+
+
 @dataclass
 class ModelCfg:
     path: str = "smollm2-135m"  # known name, HF folder or .gguf
@@ -80,6 +83,15 @@ class RolloutCfg:
     # ngram | suffix (vLLM's own, refused if the audit fails) | off
     vllm_spec: str = "auto"
     vllm_spec_tokens: int = 8  # backend=vllm: draft tokens per step at most (num_speculative_tokens)
+    # partial rollouts (APRIL, arXiv 2509.18521; rl/partial.py), off-policy: a step launches partial_oversample x
+    # the groups it needs, ends its rollout once trainer.prompts_per_step groups are complete, and carries the
+    # unfinished responses into the next step, where they continue under the new weights. Every token keeps the
+    # logprob and the policy version that drew it; the update weighs it by truncated importance sampling
+    # (algo.tis_cap, 2 when left at 0). Our engine only (in process or Ray workers), not backend=vllm
+    partial: bool = False
+    partial_oversample: float = 2.0  # groups kept in flight per group the step needs (carried ones count)
+    # a response whose oldest token would be trained more than this many policy versions late is restarted
+    partial_max_staleness: int = 2
 
 
 @dataclass
@@ -234,6 +246,12 @@ class Config:
             (a.lr_warmup_steps >= 0 and 0 <= a.lr_min_ratio <= 1, "algo.lr_warmup_steps", ">= 0 (and lr_min_ratio in [0, 1])"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
+            (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
+            (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried "
+             "response restarts)"),
+            (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
+             "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
+             "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
         ]
         for ok, key, what in checks:
             if not ok:

@@ -47,6 +47,9 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
                   + (f"; dynamic sampling (up to {cfg.algo.max_gen_rounds} rounds)" if cfg.algo.dynamic_sampling else "")),
         ("rollout", trainer.rollout.version),
         ("speculation", trainer.rollout.spec_note),
+        *([("off-policy", f"partial rollouts: {r.partial_oversample:g}x groups in flight, unfinished responses carried "
+                          f"to the next step (at most {r.partial_max_staleness} versions stale), TIS cap "
+                          f"{cfg.algo.tis_cap:g}")] if r.partial else []),
         ("run folder", f"{t.out_dir}" + (f" (resumed at step {trainer.step})" if resumed else "")),
     ]
     if loggers_where:

@@ -11,6 +11,7 @@ same whatever `trainer.world_size` (the actor's ranks are behind one object)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, to_dict
+from ..config import PARTIAL_TIS_CAP, Config, to_dict
 from ..model.load import resolve_dtype
 from .actor.actor import device_of
 from .algos import group_advantages
@@ -30,7 +31,10 @@ from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
 from .rollout.base import Rollout
+from .rollout.base import step_seed
 from .rollout.engine import make_rollout
+from .partial import PartialBuffer, launch_count
+from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
 from .rewards.verl import adopt_verl, warn_unknown_sources
@@ -67,6 +71,8 @@ def response_metrics(comps: list, all_comps: list) -> dict:
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.rollout.partial and cfg.algo.tis_cap == 0:  # carried tokens come from older policies: weigh them
+            cfg.algo.tis_cap = PARTIAL_TIS_CAP
         self.out = Path(cfg.trainer.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         random.seed(cfg.trainer.seed)
@@ -93,6 +99,8 @@ class Trainer:
         self.phase: tuple[str, float] | None = None  # (rollout | update | eval, since): for the console's progress line
         self.step = 0
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # rollout.partial: the groups carried between steps (unfinished responses, their tokens, logprobs, versions)
+        self.partial = PartialBuffer(cfg.rollout.n, cfg.rollout.partial_max_staleness) if cfg.rollout.partial else None
 
     def _check_context(self, ctx: int) -> None:
         c = self.cfg
@@ -168,17 +176,21 @@ class Trainer:
         want = cfg.trainer.prompts_per_step
         got = Gathered(n, want if cfg.algo.dynamic_sampling else 0)
         for r in range(cfg.algo.max_gen_rounds if cfg.algo.dynamic_sampling else 1):
-            examples = [self.train_set[i] for i in self.loader.next(want)]
             t = time.perf_counter()
-            with self._phase("gen", timing, "rollout"):
-                all_comps = self.rollout.generate(examples, self.step, self.actor.weights, self.last_step_s,
-                                                  gen_round=r)
+            if self.partial is not None:  # complete groups only, some begun in earlier steps (partial.py)
+                with self._phase("gen", timing, "rollout"):
+                    examples, all_comps, m, tokens = self._partial_round(want - len(got.examples) if got.want else want, r)
+            else:
+                examples = [self.train_set[i] for i in self.loader.next(want)]
+                with self._phase("gen", timing, "rollout"):
+                    all_comps = self.rollout.generate(examples, self.step, self.actor.weights, self.last_step_s,
+                                                      gen_round=r)
+                check_rollout_labels(examples, all_comps, n)
+                m, tokens = self.rollout.metrics(), sum(len(c.token_ids) for c in all_comps)
             gen_s = time.perf_counter() - t
-            check_rollout_labels(examples, all_comps, n)
             got.sampled += all_comps
             comps, bad = self._accepted(all_comps, n)
-            got.rollout_metrics.append(({**self.rollout.metrics(), "rollout/rejected": bad},
-                                        sum(len(c.token_ids) for c in all_comps), gen_s))
+            got.rollout_metrics.append(({**m, "rollout/rejected": bad + m.get("rollout/rejected", 0)}, tokens, gen_s))
             rewards, correct = None, []
             if comps:
                 with self._phase("reward", timing):
@@ -188,6 +200,36 @@ class Trainer:
             if got.full:
                 break
         return got
+
+    def _partial_round(self, need: int, gen_round: int) -> tuple[list, list, dict, int]:
+        """One round of partial rollouts: stale responses restart, new groups are launched up to
+        rollout.partial_oversample x need in flight, the carried ones continue, and the rollout ends once `need`
+        groups are complete; returns (their examples, their completions in (group, sample) order, metrics, tokens
+        drawn)."""
+        cfg, buf, v = self.cfg, self.partial, self.step
+        r = cfg.rollout
+        buf.restart_stale(v)
+        carried = list(buf.groups)
+        new = []
+        for j, i in enumerate(self.loader.next(launch_count(r.partial_oversample, need, len(buf.groups)))):
+            params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                                    top_k=r.top_k, seed=step_seed(cfg.trainer.seed, self.step, j, gen_round))
+            new.append((buf.launch(i, self.train_set[i].ids, params, v, self.rollout.start_state), params))
+        m = {}
+        if buf.complete_count() < need:
+            comps, left = self.rollout.generate_partial(
+                [self.train_set[g.index].ids for g, _ in new], [p for _, p in new], [g.gid for g, _ in new],
+                buf.unfinished(carried), self.step, self.last_step_s,
+                lambda c: buf.finished(c, v) and buf.complete_count() >= need)
+            buf.carry(left, v)
+            m = self.rollout.metrics()
+        tokens = buf.counts["drawn"]
+        groups = buf.take(need)
+        m.update(buf.metrics(groups, v))
+        examples = [self.train_set[g.index] for g in groups]
+        comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j)
+                 for k, g in enumerate(groups) for j, resp in enumerate(g.responses)]
+        return examples, comps, m, tokens
 
     def evaluate(self) -> dict:
         self.phase = ("eval", time.perf_counter())
@@ -232,7 +274,8 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         t = self.cfg.trainer
         state = {"step": self.step, "optimizer": self.actor.optimizer_state(final), "loader": self.loader.state_dict(),
-                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **self.rollout.state()}
+                 "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **self.rollout.state(),
+                 "partial": self.partial.state_dict() if self.partial is not None else None}
         return save_checkpoint(self.out / "checkpoints", self.step, self.actor, self.tokenizer, state, self._config(),
                                self.rollout.head, t.keep_checkpoints, final)
 
@@ -265,6 +308,12 @@ class Trainer:
         random.setstate(python_rng(state["python_rng"]))
         torch.set_rng_state(state["torch_rng"])
         r.load_state(state, got.drafter)
+        carried = (state.get("partial") or {}).get("groups") or []
+        if self.partial is not None:
+            self.partial.load_state_dict(state.get("partial"))
+        elif carried:
+            log.warning("the checkpoint carries %d partial-rollout groups and rollout.partial is off now: they are "
+                        "dropped (their prompts come back with the data loader's epochs)", len(carried))
         print(f"resumed from step {self.step} ({got.path})")
         changes = config_changes(got.config, self._config())
         if changes:

@@ -9,6 +9,9 @@ trainer ranks all sample what the one-process run samples from the same weights.
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 
 from ...config import Config
@@ -16,7 +19,7 @@ from ...drafter.compose import make_speculator
 from ...drafter.eagle import EagleDrafter, load_drafter
 from ...drafter.propose import LearnedDrafter
 from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
-from ...engine import Engine, EngineConfig, SamplingParams
+from ...engine import Completions, Engine, EngineConfig, SamplingParams
 from ...engine.tail import tail_metrics
 from .base import step_seed
 from .ray_cluster import cluster_rollout, make_cluster
@@ -126,11 +129,40 @@ class EngineRollout:
             comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
             return comps
+        ids = self.engine.add_requests([ex.ids for ex in examples], params)
+        comps, _ = self._drive(ids, step, last_step_s, len(ids))
+        return comps
+
+    def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
+                         last_step_s: float, done) -> tuple[list, list]:
+        """A partial rollout (rl/partial.py): continues `states` (carried responses, re-prefilled under the weights
+        the engine holds now, first in the queue) and starts `prompts` (token ids, their params, group labels);
+        `done(completion)` is told of each finished response and returns True once the step has the groups it
+        needs. Returns (the finished completions, the unfinished responses exported as states)."""
+        if self.cluster is not None:
+            return self.cluster_partial(prompts, params, labels, states, done)
+        ids = self.engine.import_(states) + self.engine.add_requests(prompts, params, labels)
+        comps, left = self._drive(ids, step, last_step_s, sum(p.n for p in params) + len(states), done)
+        return comps, left
+
+    def start_state(self, label: int, j: int, prompt_ids: list[int], params: SamplingParams, seed: int):
+        """A response not yet begun, as a state this engine continues (its stop tokens and context limit applied as
+        for the engine's own groups): partial rollouts restart responses from these."""
+        from ...engine.requests import SeqState
+
+        stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.eos_ids)))
+        max_tokens = min(params.max_tokens, self.engine.max_model_len - len(prompt_ids))
+        return SeqState(label, j, list(prompt_ids), [], [], dataclasses.replace(params, n=1), seed, max_tokens, stop)
+
+    def _drive(self, ids: list[int], step: int, last_step_s: float, n_seqs: int, done=None):
+        """Runs the engine over `ids` until they finish, or until `done` (told of each finished completion) says
+        the step has enough: then the rest are exported. Returns (completions, exported states)."""
         if self.spot is not None:
             self.drafter_trainer.model.sync_head()
-            self.lender.begin_step(step, last_step_s, n_seqs=r.n * len(examples))
-        col = self.engine.collector(self.engine.add_requests([ex.ids for ex in examples], params))
+            self.lender.begin_step(step, last_step_s, n_seqs=n_seqs)
+        col = self.engine.collector(ids)
         records = []  # the rollout's tail metrics (tail.py) come from its step records
+        left = []
         try:
             while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
                 out = self.engine.step()
@@ -138,13 +170,21 @@ class EngineRollout:
                 records.append(out.record)
                 if self.lender is not None:
                     self.lender.on_engine_step(self.engine.num_running, out.finished)
+                if done is not None and any([done(c) for c in out.finished]):  # each one told, in order
+                    left = self.engine.export(self.engine.unfinished_ids())
+                    break
         finally:
             if self.lender is not None:
                 self.lender.stop()
-        comps = col.result()  # sets the wall time, which tokens_per_s divides by
+        if done is None:
+            comps = col.result()  # sets the wall time, which tokens_per_s divides by
+        else:  # the finished ones, in the order they finished
+            comps = Completions(col.done.values())
+            comps.stats = col.stats
+            col.stats.total_s = time.perf_counter() - col.t0
         self.engine.end_rollout(comps.stats)
         self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, len(col.ids))}
-        return comps
+        return comps, left
 
     def _rollout_metrics(self, stats) -> dict:
         return {"rollout/batch_invariant": float(self.batch_invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,

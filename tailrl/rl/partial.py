@@ -1,0 +1,220 @@
+"""Partial rollouts (APRIL, arXiv 2509.18521; Kimi k1.5's partial rollouts; verl's fully-async `partial_rollout`):
+a step launches `rollout.partial_oversample` x the groups it needs, ends its rollout once enough groups are complete,
+and carries the unfinished responses into the next step, where they continue under the new weights.
+
+The buffer holds the groups in flight across steps: per response its tokens so far, the logprob each token was drawn
+with, and the policy version that drew it (`versions`, one per token). Version v is the policy the rollout of
+step v+1 samples from (v updates applied). A token trained by the update of version u has staleness u - v.
+
+Invariants:
+- A group is trained whole, once all `rollout.n` of its responses finished (GRPO's mean and std stay exact).
+- No trained token is more than `rollout.partial_max_staleness` versions old: before each rollout, a response whose
+  oldest token would exceed it (finished or not) is restarted from its prompt with a fresh seed, its tokens dropped.
+- Each token keeps the logprob of the policy that drew it (the engine's, under speculation too: lossless per token),
+  which the update's truncated importance weight (`algo.tis_cap`) divides by.
+- The buffer is plain data (ints, floats, lists): it is part of every checkpoint, so a resumed run continues the
+  very responses the run that never stopped would have, under the same staleness bound."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from ..engine import SamplingParams
+from ..engine.requests import SeqState
+
+RESTART_SALT = 7_919  # a restarted response's seed: seed * RESTART_SALT + version (never its old noise)
+
+
+@dataclass
+class Response:
+    """One sample of a carried group: `state` is where it stands (continued by the engine while unfinished; its
+    prompt, seed and sampling settings also restart it), `comp` the engine's Completion once it finished."""
+
+    state: SeqState
+    comp: object = None
+    versions: list[int] = field(default_factory=list)  # the policy version of each token drawn so far
+
+    @property
+    def done(self) -> bool:
+        return self.comp is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.comp.token_ids if self.comp is not None else self.state.output_ids
+
+
+@dataclass
+class Group:
+    gid: int  # unique in the run: the engine's prompt label
+    index: int  # the prompt's row in the train set
+    launched: int  # the version whose rollout launched it
+    responses: list[Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.done for r in self.responses)
+
+    @property
+    def failed(self) -> bool:  # the engine rejected its prompt: the group is dropped whole
+        return any(r.done and r.comp.finish_reason == "error" for r in self.responses)
+
+
+class PartialBuffer:
+    def __init__(self, n: int, max_staleness: int):
+        self.n, self.max_staleness = n, max_staleness
+        self.groups: list[Group] = []  # in launch order: the oldest complete groups are trained first
+        self.next_gid = 0
+        self.counts = dict.fromkeys(("restarted", "launched", "carried", "rejected", "drawn"), 0)
+
+    # ---- before a rollout ---------------------------------------------------------------------------------
+
+    def launch(self, index: int, prompt_ids: list[int], params: SamplingParams, version: int, start) -> Group:
+        """A new group of n fresh responses (sample j draws from params.seed + j, as the engine's own groups);
+        start(label, j, prompt_ids, params, seed) -> SeqState: the rollout's fresh state (its stop tokens, limits)."""
+        g = Group(self.next_gid, index, version, [Response(state=start(self.next_gid, j, prompt_ids, params,
+                                                                       params.seed + j)) for j in range(self.n)])
+        self.next_gid += 1
+        self.groups.append(g)
+        self.counts["launched"] += 1
+        return g
+
+    def restart_stale(self, version: int) -> int:
+        """Responses whose oldest token would be trained more than max_staleness versions late start over."""
+        k = 0
+        for g in self.groups:
+            for j, r in enumerate(g.responses):
+                if r.versions and version - min(r.versions) > self.max_staleness:
+                    st = r.state
+                    seed = (st.seed * RESTART_SALT + version) % 2**62
+                    g.responses[j] = Response(state=SeqState(g.gid, j, list(st.prompt_ids), [], [], st.params, seed,
+                                                             st.max_tokens, list(st.stop_ids)))
+                    k += 1
+        self.counts["restarted"] += k
+        return k
+
+    def complete_count(self) -> int:
+        return sum(g.complete and not g.failed for g in self.groups)
+
+    def unfinished(self, groups: list[Group] | None = None) -> list[SeqState]:
+        """The states to continue, oldest group first (the engine admits them before the new prompts)."""
+        return [r.state for g in (self.groups if groups is None else groups) for r in g.responses if not r.done]
+
+    # ---- during and after a rollout -----------------------------------------------------------------------
+
+    def _find(self, gid: int, j: int) -> Response:
+        for g in self.groups:
+            if g.gid == gid:
+                return g.responses[j]
+        raise RuntimeError(f"the rollout returned a response of group {gid}, which the partial buffer does not hold")
+
+    def finished(self, comp, version: int) -> bool:
+        """A response finished under `version`: records it; True when its group is now complete."""
+        r = self._find(comp.prompt_index, comp.sample_index)
+        if comp.finish_reason != "error" and list(comp.prompt_token_ids) != list(r.state.prompt_ids):
+            raise RuntimeError(f"the rollout returned a response labelled group {comp.prompt_index} for another "
+                               "prompt: stopping rather than score it against the wrong answer")
+        self.counts["drawn"] += _grow(r, comp.token_ids, version)
+        r.comp = comp
+        return self._group(comp.prompt_index).complete
+
+    def carry(self, states: list[SeqState], version: int) -> None:
+        """The rollout ended early: its unfinished responses come back as states, with the tokens they drew."""
+        for st in states:
+            r = self._find(st.prompt_index, st.sample_index)
+            self.counts["drawn"] += _grow(r, st.output_ids, version)
+            r.state = st
+        self.counts["carried"] += len(states)
+
+    def _group(self, gid: int) -> Group:
+        return next(g for g in self.groups if g.gid == gid)
+
+    def take(self, k: int) -> list[Group]:
+        """Up to k complete groups, oldest first, out of the buffer; groups the engine rejected leave with them
+        (counted), never trained on."""
+        out = []
+        for g in list(self.groups):
+            if g.complete and g.failed:
+                self.groups.remove(g)
+                self.counts["rejected"] += 1
+            elif g.complete and len(out) < k:
+                self.groups.remove(g)
+                out.append(g)
+        return out
+
+    # ---- metrics and checkpoints --------------------------------------------------------------------------
+
+    def metrics(self, trained: list[Group], version: int) -> dict:
+        """Counts since the last call, and the staleness of the tokens about to be trained (under `version`)."""
+        ages = [version - v for g in trained for r in g.responses for v in r.versions]
+        old = sum(a > 0 for a in ages)
+        m = {"rollout/partial_launched": self.counts["launched"], "rollout/partial_carried": self.counts["carried"],
+             "rollout/partial_restarted": self.counts["restarted"], "rollout/partial_buffered": len(self.groups),
+             "rollout/rejected": self.counts["rejected"],
+             "rollout/offpolicy_token_frac": old / len(ages) if ages else 0.0,
+             "rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+             "rollout/staleness_max": max(ages, default=0),
+             "rollout/offpolicy_responses": sum(any(v < version for v in r.versions) for g in trained
+                                                for r in g.responses)}
+        self.counts = dict.fromkeys(self.counts, 0)
+        return m
+
+    def state_dict(self) -> dict:
+        return {"next_gid": self.next_gid, "groups": [
+            {"gid": g.gid, "index": g.index, "launched": g.launched,
+             "responses": [{"versions": list(r.versions),
+                            "state": _state_dict(r.state),
+                            "comp": _comp_dict(r.comp) if r.comp is not None else None} for r in g.responses]}
+            for g in self.groups]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {"next_gid": 0, "groups": []}
+        self.next_gid = int(state["next_gid"])
+        self.groups = [Group(int(g["gid"]), int(g["index"]), int(g["launched"]),
+                             [Response(state=_state_from(r["state"]),
+                                       comp=_comp_from(r["comp"]) if r["comp"] is not None else None,
+                                       versions=[int(v) for v in r["versions"]]) for r in g["responses"]])
+                       for g in state["groups"]]
+        self.counts = dict.fromkeys(self.counts, 0)
+
+
+def launch_count(oversample: float, need: int, buffered: int) -> int:
+    """New groups to launch: the step keeps ceil(oversample * need) groups in flight (the buffered ones count)."""
+    return max(math.ceil(oversample * need - 1e-9) - buffered, 0)
+
+
+def _grow(r: Response, tokens: list[int], version: int) -> int:
+    """The response's tokens now: the ones it had, unchanged, then those `version` drew (returns how many)."""
+    had = r.tokens
+    if list(tokens[: len(had)]) != list(had) or len(had) != len(r.versions):
+        raise RuntimeError("a carried response came back without the tokens it had: the partial rollout's "
+                           "bookkeeping is wrong; stopping rather than train on mislabelled tokens")
+    r.versions = r.versions + [version] * (len(tokens) - len(had))
+    return len(tokens) - len(had)
+
+
+def _state_dict(st: SeqState) -> dict:
+    d = dataclasses.asdict(st)
+    d["params"] = dataclasses.asdict(st.params)
+    return d
+
+
+def _state_from(d: dict) -> SeqState:
+    d = dict(d)
+    d["params"] = SamplingParams(**d["params"])
+    return SeqState(**d)
+
+
+_COMP_FIELDS = ("seq_id", "prompt_index", "sample_index", "prompt_token_ids", "token_ids", "text", "logprobs",
+                "finish_reason", "error")
+
+
+def _comp_dict(c) -> dict:
+    return {k: getattr(c, k) for k in _COMP_FIELDS}
+
+
+def _comp_from(d: dict):
+    from ..engine.sequence import Completion
+
+    return Completion(**{k: d[k] for k in _COMP_FIELDS})
