@@ -87,7 +87,10 @@ class ClusterRollout:
             pass
         return self.finish()
 
-    def start(self, prompts: list, sampling=None, tasks=None) -> None:
+    def start(self, prompts: list, sampling=None, tasks=None, carried: list | None = None) -> None:
+        """A rollout of `prompts` (their n samples each, keys (prompt, sample)); carried: running sequences' states
+        (partial rollouts: exported last step) to continue first, each under its own key (len(prompts) + k,
+        its sample index)."""
         self._revive()
         sampling = sampling or SamplingParams()
         params = list(sampling) if isinstance(sampling, list) else [sampling] * len(prompts)
@@ -106,11 +109,69 @@ class ClusterRollout:
         live = self._live()
         self.predicted = [self.predictor.predict(self.prompts[i], self.tasks[i]) for i in range(len(prompts))]
         units = [Unit(i, 0, p.n, self.predicted[i]) for i, p in enumerate(self.params)]
+        if carried:
+            self._continue(carried)
         max_seqs = self.spec.engine.max_num_seqs
         plan = (place(units, len(live), cost=self.cost, max_seqs=max_seqs) if self.cfg.placement == "histopipe"
                 else static_split(units, len(live)))
         for w, bin_units in zip(self._affine(plan, live), plan):
             self._add(w, bin_units)
+
+    def _continue(self, states: list) -> None:
+        """Carried sequences, each its own prompt slot (n = 1, its seed), to the workers holding the fewest."""
+        by_worker: dict[int, list] = {}
+        for st in states:
+            i = len(self.prompts)
+            self.prompts.append(list(st.prompt_ids))
+            self.tasks.append(None)
+            self.params.append(dataclasses.replace(st.params, n=1, seed=st.seed - st.sample_index))
+            self.predicted.append(self.predictor.predict(self.prompts[i], None))
+            self.prompt_ids[i] = list(st.prompt_ids)
+            key = (i, st.sample_index)
+            self.samples[key] = Sample(i, st.sample_index, tokens=list(st.output_ids))
+            w = min(self._live(), key=lambda v: (len(by_worker.get(v, [])), v))
+            by_worker.setdefault(w, []).append((key, dataclasses.replace(st, prompt_index=i)))
+        for w, items in by_worker.items():
+            try:
+                ids = self.pool.call(w, "import_", [st for _, st in items], timeout=self.cfg.step_timeout_s)
+            except WorkerFailed as e:
+                self._fail(w, str(e))
+                self._requeue([k for k, _ in items])
+                continue
+            for i, (key, _) in zip(ids, items):
+                self._hold(w, i, key)
+
+    def partial(self, prompts: list, sampling: list, carried: list, done) -> tuple[Completions, list, list]:
+        """A partial rollout (rl/partial.py): `carried` states continue, `prompts` start, and rounds run until
+        `done(completion)` (told of each finished one, labelled by its key) says the step has enough. Returns
+        (the finished completions, the unfinished sequences exported as states, the keys of those lost with a
+        failed worker: their tokens are gone, they restart)."""
+        self.start(prompts, sampling, None, carried)
+        told: set = set()
+        while True:
+            more = self.step()
+            fresh = [k for k in self.done if k not in told]
+            told.update(fresh)
+            if any([done(self.done[k]) for k in fresh]) or not more:
+                break
+        left, lost = [], []
+        for w in self._live():
+            ids = list(self.held[w])
+            if not ids:
+                continue
+            try:
+                states = self.pool.call(w, "export", ids, timeout=self.cfg.step_timeout_s)
+            except WorkerFailed as e:  # the pool marks it dead; it restarts at the next step
+                self.counts["cluster/worker_failures"] += 1
+                log.warning("worker %d failed handing back its %d unfinished samples (%s): they restart", w, len(ids), e)
+                lost += list(self.held[w].values())
+                self.held[w] = {}
+                continue
+            for i, st in zip(ids, states):
+                key = self.held[w].pop(i)
+                self._check_label(w, key, st.prompt_index, st.prompt_ids, st.seed)
+                left.append(dataclasses.replace(st, prompt_index=key[0], sample_index=key[1]))
+        return self.finish(partial=True), left, lost
 
     def step(self) -> bool:
         """One round: every worker with work runs about round_s of engine steps; then finished samples are
@@ -139,7 +200,8 @@ class ClusterRollout:
         self.counts["cluster/rounds"] += 1
         return len(self.done) < len(self.samples)
 
-    def finish(self) -> Completions:
+    def finish(self, partial: bool = False) -> Completions:
+        """Ends the rollout: every sample's completion in key order (partial: the finished ones only)."""
         wall = time.perf_counter() - self.t0
         live = self._live()
         ok, failed = self.pool.gather({w: self.pool.submit(w, "end_rollout") for w in live}, self.cfg.step_timeout_s)
@@ -153,16 +215,22 @@ class ClusterRollout:
                 part.add(r)
             stats.merge(part)
         stats.total_s = wall
-        result = Completions(self.done[(i, j)] for i, p in enumerate(self.params) for j in range(p.n))
+        result = Completions(self.done[k] for k in self.samples if k in self.done or not partial)
         result.stats = stats
         self.metrics = self._metrics(result, wall, [out.get("idle_state") for out in ok.values()])
-        for i in range(len(self.prompts)):
-            comps = [self.done[(i, j)] for j in range(self.params[i].n)]
+        for i, comps in self._groups().items():
             if all(c.finish_reason != "error" for c in comps):
                 self.predictor.observe(self.prompts[i], self.tasks[i], [len(c.token_ids) for c in comps])
         return result
 
     # ---- internals ----------------------------------------------------------------------------------------
+
+    def _groups(self) -> dict[int, list]:
+        """Prompt slot -> its finished completions, for slots whose every sample finished."""
+        out: dict[int, list] = {}
+        for i, j in self.samples:
+            out.setdefault(i, []).append(self.done.get((i, j)))
+        return {i: cs for i, cs in out.items() if all(c is not None for c in cs)}
 
     def _live(self) -> list[int]:
         live = [w for w in range(len(self.pool)) if w not in self.pool.dead]
@@ -315,8 +383,9 @@ class ClusterRollout:
 
     def _metrics(self, comps, wall: float, idle_states: list) -> dict:
         m = dict(self.counts)
-        actual = [sum(len(self.done[(i, j)].token_ids) for j in range(p.n)) / p.n for i, p in enumerate(self.params)]
-        m.update(length_metrics(self.predicted, actual))
+        groups = self._groups()
+        actual = [sum(len(c.token_ids) for c in cs) / len(cs) for cs in groups.values()]
+        m.update(length_metrics([self.predicted[i] for i in groups], actual))
         for w in range(len(self.pool)):
             m[f"cluster/busy_s/{w}"] = self.busy[w]
             m[f"cluster/idle_s/{w}"] = max(wall - self.busy[w], 0.0)

@@ -82,17 +82,19 @@ class PartialBuffer:
 
     def restart_stale(self, version: int) -> int:
         """Responses whose oldest token would be trained more than max_staleness versions late start over."""
-        k = 0
-        for g in self.groups:
-            for j, r in enumerate(g.responses):
-                if r.versions and version - min(r.versions) > self.max_staleness:
-                    st = r.state
-                    seed = (st.seed * RESTART_SALT + version) % 2**62
-                    g.responses[j] = Response(state=SeqState(g.gid, j, list(st.prompt_ids), [], [], st.params, seed,
-                                                             st.max_tokens, list(st.stop_ids)))
-                    k += 1
-        self.counts["restarted"] += k
-        return k
+        return self.restart([(g.gid, j) for g in self.groups for j, r in enumerate(g.responses)
+                             if r.versions and version - min(r.versions) > self.max_staleness], version)
+
+    def restart(self, keys: list[tuple[int, int]], version: int) -> int:
+        """These (group, sample) responses start over from their prompt, with a seed of their own, tokens dropped."""
+        for gid, j in keys:
+            g = self._group(gid)
+            st = g.responses[j].state
+            seed = (st.seed * RESTART_SALT + version) % 2**62
+            g.responses[j] = Response(state=SeqState(gid, j, list(st.prompt_ids), [], [], st.params, seed,
+                                                     st.max_tokens, list(st.stop_ids)))
+        self.counts["restarted"] += len(keys)
+        return len(keys)
 
     def complete_count(self) -> int:
         return sum(g.complete and not g.failed for g in self.groups)

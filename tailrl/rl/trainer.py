@@ -217,11 +217,12 @@ class Trainer:
             new.append((buf.launch(i, self.train_set[i].ids, params, v, self.rollout.start_state), params))
         m = {}
         if buf.complete_count() < need:
-            comps, left = self.rollout.generate_partial(
+            comps, left, lost = self.rollout.generate_partial(
                 [self.train_set[g.index].ids for g, _ in new], [p for _, p in new], [g.gid for g, _ in new],
                 buf.unfinished(carried), self.step, self.last_step_s,
-                lambda c: buf.finished(c, v) and buf.complete_count() >= need)
+                lambda c: buf.finished(c, v) and buf.complete_count() >= need, self.actor.weights)
             buf.carry(left, v)
+            buf.restart(lost, v)
             m = self.rollout.metrics()
         tokens = buf.counts["drawn"]
         groups = buf.take(need)

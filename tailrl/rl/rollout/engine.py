@@ -23,6 +23,7 @@ from ...engine import Completions, Engine, EngineConfig, SamplingParams
 from ...engine.tail import tail_metrics
 from .base import step_seed
 from .ray_cluster import cluster_rollout, make_cluster
+from .ray_worker import head_state, merge_heads
 from .weights import push_weights
 
 
@@ -134,16 +135,37 @@ class EngineRollout:
         return comps
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
-                         last_step_s: float, done) -> tuple[list, list]:
+                         last_step_s: float, done, weights=None) -> tuple[list, list, list]:
         """A partial rollout (rl/partial.py): continues `states` (carried responses, re-prefilled under the weights
         the engine holds now, first in the queue) and starts `prompts` (token ids, their params, group labels);
         `done(completion)` is told of each finished response and returns True once the step has the groups it
-        needs. Returns (the finished completions, the unfinished responses exported as states)."""
+        needs. Returns (the finished completions, the unfinished responses exported as states, the (label,
+        sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate."""
         if self.cluster is not None:
-            return self.cluster_partial(prompts, params, labels, states, done)
+            return self._cluster_partial(prompts, params, labels, states, done, weights)
         ids = self.engine.import_(states) + self.engine.add_requests(prompts, params, labels)
         comps, left = self._drive(ids, step, last_step_s, sum(p.n for p in params) + len(states), done)
-        return comps, left
+        return comps, left, []
+
+    def _cluster_partial(self, prompts, params, labels, states, done, weights):
+        """The partial rollout on Ray workers: this step's weights first, then the driver's rounds until `done`;
+        keys come back as (label, sample) like the engine's."""
+        t = time.perf_counter()
+        c = self.cluster
+        sync_s = c.sync_weights(weights(), head_state(self.head) if self.head is not None else None)
+        slot_label = list(labels) + [st.prompt_index for st in states]
+
+        def relabel(x):
+            return dataclasses.replace(x, prompt_index=slot_label[x.prompt_index])
+
+        comps, left, lost = c.partial(prompts, params, states, lambda comp: done(relabel(comp)))
+        metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
+        if self.head is not None:
+            metrics["drafter/idle_train_steps"] = merge_heads(self.head, c.idle_states)
+            self.head.sync_head()
+        metrics.update({"timing_s/sync": sync_s, "timing_s/cluster_rollout": time.perf_counter() - t})
+        self._metrics = {**self._rollout_metrics(comps.stats), **metrics}
+        return [relabel(x) for x in comps], [relabel(x) for x in left], [(slot_label[i], j) for i, j in lost]
 
     def start_state(self, label: int, j: int, prompt_ids: list[int], params: SamplingParams, seed: int):
         """A response not yet begun, as a state this engine continues (its stop tokens and context limit applied as
