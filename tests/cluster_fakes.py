@@ -43,6 +43,7 @@ class FakeState:
     logprobs: list[float]
     seed: int
     max_tokens: int
+    params: object = None  # the request's SamplingParams (a partial rollout's driver continues from them)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class FakeEngine:
         ids = []
         for prompt, p, index in zip(prompts, params, indices):
             for j in range(p.n):
-                st = FakeState(index, j, list(prompt), [], [], p.seed + j, p.max_tokens)
+                st = FakeState(index, j, list(prompt), [], [], p.seed + j, p.max_tokens, p)
                 ids.append(self._queue(st))
         return ids
 

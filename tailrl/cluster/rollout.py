@@ -105,6 +105,7 @@ class ClusterRollout:
         self.counts = {"cluster/migrated": 0, "cluster/reprefill_tokens": 0, "cluster/worker_failures": 0,
                        "cluster/requeued": 0, "cluster/remote_tokens": 0, "cluster/rounds": 0, "cluster/idle_train_s": 0.0}
         self.prompt_ids: dict[int, list[int]] = {}
+        self.carried: dict[tuple[int, int], object] = {}  # key -> the state it continued from (a re-run resumes it)
         self.t0 = time.perf_counter()
         live = self._live()
         self.predicted = [self.predictor.predict(self.prompts[i], self.tasks[i]) for i in range(len(prompts))]
@@ -130,7 +131,11 @@ class ClusterRollout:
             key = (i, st.sample_index)
             self.samples[key] = Sample(i, st.sample_index, tokens=list(st.output_ids))
             w = min(self._live(), key=lambda v: (len(by_worker.get(v, [])), v))
-            by_worker.setdefault(w, []).append((key, dataclasses.replace(st, prompt_index=i)))
+            self.carried[key] = dataclasses.replace(st, prompt_index=i)
+            by_worker.setdefault(w, []).append((key, self.carried[key]))
+        self._import(by_worker)
+
+    def _import(self, by_worker: dict[int, list]) -> None:
         for w, items in by_worker.items():
             try:
                 ids = self.pool.call(w, "import_", [st for _, st in items], timeout=self.cfg.step_timeout_s)
@@ -143,7 +148,8 @@ class ClusterRollout:
 
     def partial(self, prompts: list, sampling: list, carried: list, done) -> tuple[Completions, list, list]:
         """A partial rollout (rl/partial.py): `carried` states continue, `prompts` start, and rounds run until
-        `done(completion)` (told of each finished one, labelled by its key) says the step has enough. Returns
+        `done(finished, running)` says the step has enough: finished, the round's new completions (labelled by their
+        key); running(), (slot, sample, tokens so far) of every unfinished sample. Returns
         (the finished completions, the unfinished sequences exported as states, the keys of those lost with a
         failed worker: their tokens are gone, they restart)."""
         self.start(prompts, sampling, None, carried)
@@ -152,7 +158,9 @@ class ClusterRollout:
             more = self.step()
             fresh = [k for k in self.done if k not in told]
             told.update(fresh)
-            if any([done(self.done[k]) for k in fresh]) or not more:
+            running = lambda: [(i, j, len(self.samples[(i, j)].tokens)) for w in self._live()  # noqa: E731
+                               for i, j in self.held[w].values()]
+            if done([self.done[k] for k in fresh], running) or not more:
                 break
         left, lost = [], []
         for w in self._live():
@@ -329,9 +337,14 @@ class ClusterRollout:
         self.counts["cluster/requeued"] += len(keys)
         for key in keys:
             s = self.samples[key]
-            s.tokens, s.sent = [], {}
+            s.sent = {}
             w = min(self._live(), key=lambda v: (len(self.held[v]), v))
-            self._add(w, [Unit(key[0], key[1], 1, self.predicted[key[0]])])
+            if key in self.carried:  # a partial rollout's carried sequence goes on from where it was carried
+                s.tokens = list(self.carried[key].output_ids)
+                self._import({w: [(key, self.carried[key])]})
+            else:
+                s.tokens = []
+                self._add(w, [Unit(key[0], key[1], 1, self.predicted[key[0]])])
 
     def _migrate(self) -> None:
         """Idle workers take tail work: each from the donor with the most predicted time left, what the cost

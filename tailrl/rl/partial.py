@@ -8,6 +8,10 @@ step v+1 samples from (v updates applied). A token trained by the update of vers
 
 Invariants:
 - A group is trained whole, once all `rollout.n` of its responses finished (GRPO's mean and std stay exact).
+- Where a rollout stops is counted in tokens drawn in it, never in engine steps (`Horizon`): it stops at the
+  fewest tokens T at which `need` groups are complete, and every response keeps exactly the tokens it drew up to T.
+  Speculation (several tokens a step, by acceptance), batching, preemption and Ray workers' rounds change how
+  fast a rollout gets there, never what the step trains on or carries: a run is reproducible and resumes exactly.
 - No trained token is more than `rollout.partial_max_staleness` versions old: before each rollout, a response whose
   oldest token would exceed it (finished or not) is restarted from its prompt with a fresh seed, its tokens dropped.
 - Each token keeps the logprob of the policy that drew it (the engine's, under speculation too: lossless per token),
@@ -105,6 +109,24 @@ class PartialBuffer:
 
     # ---- during and after a rollout -----------------------------------------------------------------------
 
+    def settle(self, comps: list, states: list, horizon: "Horizon", version: int) -> None:
+        """The rollout's outcome, cut at the horizon: responses that finished within T tokens are finished; the
+        others (finished later, or exported unfinished) are carried with their first T tokens of this rollout."""
+        t = horizon.stop
+        for c in comps:
+            key = (c.prompt_index, c.sample_index)
+            if t is None or len(c.token_ids) - horizon.start[key] <= t:
+                self.finished(c, version)
+            else:
+                r = self._find(*key)
+                cut = horizon.start[key] + t
+                self.carry([dataclasses.replace(r.state, output_ids=list(c.token_ids[:cut]),
+                                                logprobs=list(c.logprobs[:cut]))], version)
+        for st in states:
+            cut = horizon.start[(st.prompt_index, st.sample_index)] + (t if t is not None else len(st.output_ids))
+            self.carry([dataclasses.replace(st, output_ids=list(st.output_ids[:cut]),
+                                            logprobs=list(st.logprobs[:cut]))], version)
+
     def _find(self, gid: int, j: int) -> Response:
         for g in self.groups:
             if g.gid == gid:
@@ -179,6 +201,42 @@ class PartialBuffer:
                                        versions=[int(v) for v in r["versions"]]) for r in g["responses"]])
                        for g in state["groups"]]
         self.counts = dict.fromkeys(self.counts, 0)
+
+
+class Horizon:
+    """Where a partial rollout stops, on a clock of tokens drawn in this rollout (per response), so that neither
+    speculation nor batching nor workers move it. Told of each engine step's finished responses and of the clocks of
+    those still running or waiting, it says stop once T is known: T is the `need`-th smallest completion clock of a
+    group (a group completes at its last response's finish), and it is known once `need` groups completed by some C
+    and every unfinished response has drawn at least C tokens (so none can still complete a group below C)."""
+
+    def __init__(self, buf: PartialBuffer, need: int):
+        self.need = need - buf.complete_count()
+        self.start = {(g.gid, j): len(r.tokens) for g in buf.groups for j, r in enumerate(g.responses) if not r.done}
+        self.left = {g.gid: sum(not r.done for r in g.responses) for g in buf.groups}
+        self.clock = {g.gid: 0 for g in buf.groups}
+        self.failed: set[int] = {g.gid for g in buf.groups if g.failed}
+        self.complete: list[int] = []
+        self.stop: int | None = None
+
+    def __call__(self, finished: list, running) -> bool:
+        """finished: this engine step's Completions (labelled (group, sample)); running(): (group, sample, tokens
+        so far) of every unfinished response."""
+        for c in finished:
+            gid = c.prompt_index
+            self.clock[gid] = max(self.clock[gid], len(c.token_ids) - self.start[(gid, c.sample_index)])
+            self.left[gid] -= 1
+            if c.finish_reason == "error":
+                self.failed.add(gid)
+            if self.left[gid] == 0 and gid not in self.failed:
+                self.complete.append(self.clock[gid])
+        if len(self.complete) < self.need:
+            return False
+        c = sorted(self.complete)[self.need - 1]
+        if any(n - self.start[(gid, j)] < c for gid, j, n in running()):
+            return False
+        self.stop = c
+        return True
 
 
 def launch_count(oversample: float, need: int, buffered: int) -> int:

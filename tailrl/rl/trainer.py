@@ -33,7 +33,7 @@ from .rewards.rewarder import Rewarder
 from .rollout.base import Rollout
 from .rollout.base import step_seed
 from .rollout.engine import make_rollout
-from .partial import PartialBuffer, launch_count
+from .partial import Horizon, PartialBuffer, launch_count
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -217,11 +217,11 @@ class Trainer:
             new.append((buf.launch(i, self.train_set[i].ids, params, v, self.rollout.start_state), params))
         m = {}
         if buf.complete_count() < need:
+            horizon = Horizon(buf, need)
             comps, left, lost = self.rollout.generate_partial(
                 [self.train_set[g.index].ids for g, _ in new], [p for _, p in new], [g.gid for g, _ in new],
-                buf.unfinished(carried), self.step, self.last_step_s,
-                lambda c: buf.finished(c, v) and buf.complete_count() >= need, self.actor.weights)
-            buf.carry(left, v)
+                buf.unfinished(carried), self.step, self.last_step_s, horizon, self.actor.weights)
+            buf.settle(comps, left, horizon, v)
             buf.restart(lost, v)
             m = self.rollout.metrics()
         tokens = buf.counts["drawn"]

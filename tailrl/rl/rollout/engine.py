@@ -138,8 +138,8 @@ class EngineRollout:
                          last_step_s: float, done, weights=None) -> tuple[list, list, list]:
         """A partial rollout (rl/partial.py): continues `states` (carried responses, re-prefilled under the weights
         the engine holds now, first in the queue) and starts `prompts` (token ids, their params, group labels);
-        `done(completion)` is told of each finished response and returns True once the step has the groups it
-        needs. Returns (the finished completions, the unfinished responses exported as states, the (label,
+        `done(finished, running)` is told of each engine step's finished responses and, on demand, (label, sample,
+        tokens so far) of the unfinished ones, and returns True once the rollout may stop (rl/partial.py's Horizon). Returns (the finished completions, the unfinished responses exported as states, the (label,
         sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate."""
         if self.cluster is not None:
             return self._cluster_partial(prompts, params, labels, states, done, weights)
@@ -158,7 +158,8 @@ class EngineRollout:
         def relabel(x):
             return dataclasses.replace(x, prompt_index=slot_label[x.prompt_index])
 
-        comps, left, lost = c.partial(prompts, params, states, lambda comp: done(relabel(comp)))
+        comps, left, lost = c.partial(prompts, params, states, lambda fin, running: done(
+            [relabel(x) for x in fin], lambda: [(slot_label[i], j, n) for i, j, n in running()]))
         metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
         if self.head is not None:
             metrics["drafter/idle_train_steps"] = merge_heads(self.head, c.idle_states)
@@ -192,7 +193,7 @@ class EngineRollout:
                 records.append(out.record)
                 if self.lender is not None:
                     self.lender.on_engine_step(self.engine.num_running, out.finished)
-                if done is not None and any([done(c) for c in out.finished]):  # each one told, in order
+                if done is not None and done(out.finished, self._unfinished):
                     left = self.engine.export(self.engine.unfinished_ids())
                     break
         finally:
@@ -207,6 +208,12 @@ class EngineRollout:
         self.engine.end_rollout(comps.stats)
         self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, len(col.ids))}
         return comps, left
+
+    def _unfinished(self) -> list[tuple[int, int, int]]:
+        """(label, sample, tokens so far) of the engine's running and waiting sequences."""
+        sched = self.engine.scheduler
+        return [(s.prompt_index, s.sample_index, len(s.output_ids))
+                for s in [*sched.running, *(s for g in sched.waiting for s in g)]]
 
     def _rollout_metrics(self, stats) -> dict:
         return {"rollout/batch_invariant": float(self.batch_invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,
