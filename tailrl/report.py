@@ -89,10 +89,29 @@ def make_report(run_dir: str | Path) -> Path:
                      f"{r.get('rollout/gen_rounds', 1)} | {r.get('rollout/informative_groups', '-')} / "
                      f"{r.get('rollout/filtered_groups', 0)} | {r['timing_s/gen']:.1f} | {r.get('timing_s/update', 0):.1f} "
                      f"| {r['timing_s/step']:.1f} | {r.get('spec/accept_length', 1):.2f} |")
+    lines += partial_lines(train)
     lines += sample_lines(run_dir)
     md = run_dir / "report.md"
     md.write_text("\n".join(lines) + "\n")
     return md
+
+
+def partial_lines(train: list[dict]) -> list[str]:
+    """Markdown: partial rollouts per step (rollout.partial): how off-policy the trained tokens were."""
+    rows = [r for r in train if "rollout/offpolicy_token_frac" in r]
+    if not rows:
+        return []
+    share = sum(r["rollout/offpolicy_token_frac"] for r in rows) / len(rows)
+    lines = ["", "## Partial rollouts (off-policy)", "",
+             f"mean share of trained tokens drawn by an older policy {share:.2f}; staleness at most "
+             f"{max(r['rollout/staleness_max'] for r in rows)} versions", "",
+             "| step | groups launched | responses carried | restarted (stale) | off-policy tokens | staleness mean / max |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['rollout/partial_launched']} | {r['rollout/partial_carried']} | "
+                     f"{r['rollout/partial_restarted']} | {r['rollout/offpolicy_token_frac']:.2f} | "
+                     f"{r['rollout/staleness_mean']:.2f} / {r['rollout/staleness_max']} |")
+    return lines
 
 
 def tail_panels(axes, tail: list[dict]) -> None:

@@ -312,6 +312,12 @@ class Trainer:
         carried = (state.get("partial") or {}).get("groups") or []
         if self.partial is not None:
             self.partial.load_state_dict(state.get("partial"))
+            bad = [g.gid for g in self.partial.groups
+                   if g.index >= len(self.train_set) or len(g.responses) != self.cfg.rollout.n]
+            if bad:
+                raise ValueError(f"the checkpoint carries partial-rollout groups {bad[:5]} that do not fit this run "
+                                 f"({len(self.train_set)} train prompts, rollout.n={self.cfg.rollout.n}): resume with "
+                                 "the data and rollout.n it was saved with")
         elif carried:
             log.warning("the checkpoint carries %d partial-rollout groups and rollout.partial is off now: they are "
                         "dropped (their prompts come back with the data loader's epochs)", len(carried))

@@ -176,6 +176,24 @@ def _check_history(hist) -> None:
                 _int_list(r, f"{f}.epochs.{j}.{k}")
 
 
+def _check_partial(saved) -> None:
+    """Partial rollouts' carried groups (absent or None: none): each response's tokens, logprobs and versions line up."""
+    if saved is None:
+        return
+    from ..partial import PartialBuffer
+
+    buf = PartialBuffer(1, 0)
+    try:
+        buf.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StateError("partial", f"malformed carried responses ({type(e).__name__}: {e})") from None
+    for k, g in enumerate(buf.groups):
+        for j, r in enumerate(g.responses):
+            st = r.state
+            if len(r.versions) != len(r.tokens) or len(st.logprobs) != len(st.output_ids):
+                raise StateError(f"partial.groups.{k}.responses.{j}", "tokens, logprobs and versions differ in length")
+
+
 def _check_drafter(saved, trainer) -> None:
     if saved is None or trainer is None:  # resume ignores a drafter state this run has no trainer for
         return
@@ -212,6 +230,7 @@ def check_state(state, step: int, optimizer, drafter_trainer=None) -> None:
         check_optimizer(state["optimizer"], optimizer, "optimizer")
     _check_history(state["history"])
     _check_drafter(state["drafter"], drafter_trainer)
+    _check_partial(state.get("partial"))
 
 
 def check_checkpoint(got, shapes: dict, optimizer, drafter_trainer=None, head=None, tied: bool = False) -> None:
