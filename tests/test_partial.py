@@ -229,3 +229,14 @@ def test_where_a_rollout_stops_does_not_depend_on_rounds_or_workers():
     ref = _settled(1, 1)
     assert ref[0] is not None and any(not done for g in ref[1] for done, _, _ in g)
     assert _settled(7, 1) == ref and _settled(3, 3) == ref
+
+
+def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tmp_path):
+    """Each round asks the partial rollout for the informative groups still missing; the update gets them."""
+    out = tmp_path / "run"
+    train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, "trainer.steps=3", "algo.dynamic_sampling=true",
+                   "reward.functions=[tests.test_dynamic:odd_prompts_only]", "trainer.prompts_per_step=2"))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/informative_groups"] == 2 for r in rows)
+    assert any(r["rollout/filtered_groups"] > 0 for r in rows)  # groups of even prompts score all 0
+    assert sum(r["rollout/partial_carried"] for r in rows) > 0
