@@ -45,6 +45,21 @@ def test_two_workers_train_resume_and_match_one_worker(tmp_path_factory, tmp_pat
         assert r["cluster/worker_failures"] == 0 and "timing_s/sync" in r and "cluster/len_pred_mae" in r
 
 
+def test_partial_rollouts_on_two_workers_match_one_worker(tmp_path_factory, tmp_path):
+    """Partial rollouts stop on a token horizon, not on rounds: the workers carry and train what one engine does."""
+    chat = str(make_tiny_chat_model(tmp_path_factory.mktemp("tinychat_partial")))
+    task = write_task(tmp_path / "train.jsonl")
+    partial = ["rollout.partial=true", "rollout.max_tokens=48", "rollout.n=4", "algo.mini_batch_size=8",
+               "trainer.steps=3", "model.dtype=float32", "rollout.batch_invariant=true"]
+    train(tiny_cfg(chat, task, tmp_path / "one", *partial))
+    train(tiny_cfg(chat, task, tmp_path / "two", *partial, "rollout.workers=2", "rollout.worker_threads=1",
+                   "cluster.round_s=0.05"))
+    a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
+    keys = ["reward/mean", "response_lengths", "rollout/partial_carried", "rollout/staleness_mean"]
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    assert sum(r["rollout/partial_carried"] for r in b) > 0
+
+
 def test_one_worker_never_imports_ray(tmp_path):
     code = ("import sys; from tailrl.config import load_config; from tailrl.rl.rollout.ray_cluster import make_cluster; "
             "from tailrl.rl import trainer; assert make_cluster(load_config(None, [])) is None; "
