@@ -105,10 +105,12 @@ def partial_lines(train: list[dict]) -> list[str]:
     lines = ["", "## Partial rollouts (off-policy)", "",
              f"mean share of trained tokens drawn by an older policy {share:.2f}; staleness at most "
              f"{max(r['rollout/staleness_max'] for r in rows)} versions", "",
-             "| step | groups launched | responses carried | restarted (stale) | off-policy tokens | staleness mean / max |",
-             "|---|---|---|---|---|---|"]
+             "| step | groups launched | stopped at (tokens) | responses carried | restarted (stale) | off-policy tokens "
+             "| staleness mean / max |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['step']} | {r['rollout/partial_launched']} | {r['rollout/partial_carried']} | "
+        lines.append(f"| {r['step']} | {r['rollout/partial_launched']} | {r.get('rollout/partial_horizon', '-') or '-'} | "
+                     f"{r['rollout/partial_carried']} | "
                      f"{r['rollout/partial_restarted']} | {r['rollout/offpolicy_token_frac']:.2f} | "
                      f"{r['rollout/staleness_mean']:.2f} / {r['rollout/staleness_max']} |")
     return lines

@@ -169,13 +169,15 @@ class PartialBuffer:
 
     # ---- metrics and checkpoints --------------------------------------------------------------------------
 
-    def metrics(self, trained: list[Group], version: int) -> dict:
-        """Counts since the last call, and the staleness of the tokens about to be trained (under `version`)."""
+    def metrics(self, trained: list[Group], version: int, horizon: int | None = None) -> dict:
+        """Counts since the last call, the staleness of the tokens about to be trained (under `version`), and the
+        rollout's horizon (tokens per response where it stopped; 0: no rollout ran, the buffer had the groups;
+        rollout.max_tokens: it ran to the end)."""
         ages = [version - v for g in trained for r in g.responses for v in r.versions]
         old = sum(a > 0 for a in ages)
         m = {"rollout/partial_launched": self.counts["launched"], "rollout/partial_carried": self.counts["carried"],
              "rollout/partial_restarted": self.counts["restarted"], "rollout/partial_buffered": len(self.groups),
-             "rollout/rejected": self.counts["rejected"],
+             "rollout/rejected": self.counts["rejected"], "rollout/partial_horizon": horizon or 0,
              "rollout/offpolicy_token_frac": old / len(ages) if ages else 0.0,
              "rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
              "rollout/staleness_max": max(ages, default=0),

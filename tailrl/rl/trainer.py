@@ -215,7 +215,7 @@ class Trainer:
             params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                     top_k=r.top_k, seed=step_seed(cfg.trainer.seed, self.step, j, gen_round))
             new.append((buf.launch(i, self.train_set[i].ids, params, v, self.rollout.start_state), params))
-        m = {}
+        m, stop = {}, None
         if buf.complete_count() < need:
             horizon = Horizon(buf, need)
             comps, left, lost = self.rollout.generate_partial(
@@ -223,10 +223,11 @@ class Trainer:
                 buf.unfinished(carried), self.step, self.last_step_s, horizon, self.actor.weights)
             buf.settle(comps, left, horizon, v)
             buf.restart(lost, v)
+            stop = horizon.stop if horizon.stop is not None else r.max_tokens
             m = self.rollout.metrics()
         tokens = buf.counts["drawn"]
         groups = buf.take(need)
-        m.update(buf.metrics(groups, v))
+        m.update(buf.metrics(groups, v, stop))
         examples = [self.train_set[g.index] for g in groups]
         comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j)
                  for k, g in enumerate(groups) for j, resp in enumerate(g.responses)]
