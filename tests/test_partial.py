@@ -15,7 +15,7 @@ from tailrl.engine import SamplingParams
 from tailrl.engine.requests import SeqState
 from tailrl.engine.sequence import Completion
 from tailrl.rl.checkpoint.state_io import read_state, write_state
-from tailrl.rl.partial import Horizon, PartialBuffer, launch_count
+from tailrl.rl.partial import Horizon, PartialBuffer, launch_count, version_runs
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import tiny_cfg
@@ -36,6 +36,10 @@ def start(label, j, prompt_ids, params, seed):
 def done(gid, j, tokens, reason="stop"):
     return Completion(seq_id=0, prompt_index=gid, sample_index=j, prompt_token_ids=[5, 6], token_ids=list(tokens),
                       text="", logprobs=[-0.5] * len(tokens), finish_reason=reason)
+
+
+def test_version_runs():
+    assert version_runs([3, 3, 4, 4, 4, 6]) == [[3, 2], [4, 3], [6, 1]] and version_runs([]) == []
 
 
 def test_launch_keeps_oversample_times_the_need_in_flight():
@@ -179,6 +183,9 @@ def test_no_trained_token_is_past_the_staleness_bound(tiny_chat, task_file, tmp_
     train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, "rollout.partial_max_staleness=0", "trainer.steps=4"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/staleness_max"] == 0 and r["rollout/offpolicy_token_frac"] == 0.0 for r in rows)
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all([v for v, _ in s["policy_versions"]] == [s["step"] - 1] for s in samples)
+    assert all(sum(k for _, k in s["policy_versions"]) == s["length"] for s in samples)
     assert sum(r["rollout/partial_restarted"] for r in rows) > 0  # carried ones were restarted, not trained on
 
 

@@ -17,8 +17,9 @@ import torch
 
 # reward metrics that count events (summed over rounds); the rest are means over samples (weighted by their count)
 _SUMMED = ("reward/errors", "reward/timeouts", "reward/invalid", "rollout/rejected", "rollout/preemptions",
-           "timing_s/sync")
-_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running")
+           "timing_s/sync", "rollout/partial_launched", "rollout/partial_carried", "rollout/partial_restarted",
+           "rollout/offpolicy_responses")
+_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running", "rollout/staleness_max", "rollout/partial_horizon")
 
 
 def informative(rewards: torch.Tensor, group_size: int) -> list[bool]:

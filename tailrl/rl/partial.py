@@ -241,6 +241,17 @@ class Horizon:
         return True
 
 
+def version_runs(versions: list[int]) -> list[list[int]]:
+    """A response's per-token policy versions as [version, tokens] runs (samples.jsonl's `policy_versions`)."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
 def launch_count(oversample: float, need: int, buffered: int) -> int:
     """New groups to launch: the step keeps ceil(oversample * need) groups in flight (the buffered ones count)."""
     return max(math.ceil(oversample * need - 1e-9) - buffered, 0)

@@ -33,5 +33,8 @@ def pick_samples(step: int, prompts: list, comps, rewards: list[float], correct:
     worst = min(order, key=lambda i: (rewards[i], i))
     picks = list(dict.fromkeys([best, worst, *order]))[:k]
     return [{"step": step, "prompt": prompt_text(prompts[i]), "completion": comps[i].text, "reward": float(rewards[i]),
-             "correct": bool(correct[i]), "length": len(comps[i].token_ids), "finish_reason": comps[i].finish_reason}
+             "correct": bool(correct[i]), "length": len(comps[i].token_ids), "finish_reason": comps[i].finish_reason,
+             # partial rollouts: which policy version drew which tokens, as [version, tokens] runs
+             **({"policy_versions": comps[i].stats["policy_versions"]} if "policy_versions" in (comps[i].stats or {})
+                else {})}
             for i in picks]

@@ -33,7 +33,7 @@ from .rewards.rewarder import Rewarder
 from .rollout.base import Rollout
 from .rollout.base import step_seed
 from .rollout.engine import make_rollout
-from .partial import Horizon, PartialBuffer, launch_count
+from .partial import Horizon, PartialBuffer, launch_count, version_runs
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -229,7 +229,8 @@ class Trainer:
         groups = buf.take(need)
         m.update(buf.metrics(groups, v, stop))
         examples = [self.train_set[g.index] for g in groups]
-        comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j)
+        comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j,
+                                     stats={**resp.comp.stats, "policy_versions": version_runs(resp.versions)})
                  for k, g in enumerate(groups) for j, resp in enumerate(g.responses)]
         return examples, comps, m, tokens
 
