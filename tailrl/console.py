@@ -63,7 +63,13 @@ def step_line(step: int, total: int, m: dict, elapsed: float) -> str:
 
     line = (f"step {step}/{total}  reward {g('reward/mean'):.3f}  acc {g('acc/mean'):.2f}  "
             f"len {g('response_length/mean'):.0f}  gen {g('timing_s/gen'):.1f}s  upd {g('timing_s/update'):.1f}s "
-            f"({g('perf/update_tokens_per_s'):.0f} tok/s)  accept {g('spec/accept_length'):.2f}")
+            f"({g('perf/update_tokens_per_s'):.0f} tok/s)")
+    if "spec/accept_length" in m or "rollout/partial_horizon" not in m:
+        line += f"  accept {g('spec/accept_length'):.2f}"
+    if "rollout/partial_horizon" in m:  # partial rollouts: where the rollout stopped, how off-policy the batch is
+        stop = m["rollout/partial_horizon"]
+        line += (f"  partial: {'buffered groups' if not stop else f'stopped at {stop} tokens'}, "
+                 f"{100 * m.get('rollout/offpolicy_token_frac', 0):.0f}% off-policy")
     if m.get("rollout/gen_rounds", 1) > 1 or m.get("rollout/filtered_groups"):  # dynamic sampling
         line += f"  rounds {m['rollout/gen_rounds']} ({m.get('rollout/informative_groups', 0)} groups kept)"
     if "eval/accuracy" in m:
