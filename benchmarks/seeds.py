@@ -41,8 +41,8 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + f" | {mean(best):.2f} | {mean(drop):+.2f} |")
     print()
     print("| arm | seeds | steps | wall s (mean) | rollout s | update s | rounds/step | entropy first -> last |"
-          " reward first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " reward first -> last | off-policy tokens (mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, runs in arms:
         last = min(max(rows) for rows, _ in runs if rows)
 
@@ -50,10 +50,13 @@ def main() -> None:
             return mean([agg([rows[s].get(key, 0.0) for s in range(1, last + 1)]) for rows, _ in runs])
 
         rounds = per_run("rollout/gen_rounds") / last if any("rollout/gen_rounds" in r[1] for r, _ in runs) else 1.0
-        ent0, ent1 = (mean([rows[s].get("actor/entropy", float("nan")) for rows, _ in runs]) for s in (1, last))
+        # the first and last steps that report entropy (a step that updated no sequence has none)
+        ent = [[rows[s]["actor/entropy"] for s in range(1, last + 1) if "actor/entropy" in rows[s]] for rows, _ in runs]
+        ent0, ent1 = (mean([e[i] for e in ent if e] or [float("nan")]) for i in (0, -1))
         rew0, rew1 = (mean([rows[s]["reward/mean"] for rows, _ in runs]) for s in (1, last))
         print(f"| {label} | {len(runs)} | {last} | {per_run('timing_s/step'):.0f} | {per_run('timing_s/gen'):.0f} | "
-              f"{per_run('timing_s/update'):.0f} | {rounds:.2f} | {ent0:.3f} -> {ent1:.3f} | {rew0:.2f} -> {rew1:.2f} |")
+              f"{per_run('timing_s/update'):.0f} | {rounds:.2f} | {ent0:.3f} -> {ent1:.3f} | {rew0:.2f} -> {rew1:.2f} | "
+              f"{per_run('rollout/offpolicy_token_frac') / last:.2f} |")
 
 
 if __name__ == "__main__":
