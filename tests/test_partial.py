@@ -242,6 +242,7 @@ def test_where_a_rollout_stops_does_not_depend_on_rounds_or_workers():
     assert _settled(7, 1) == ref and _settled(3, 3) == ref
 
 
+@pytest.mark.slow
 def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tmp_path):
     """Each round asks the partial rollout for the informative groups still missing; the update gets them."""
     out = tmp_path / "run"
