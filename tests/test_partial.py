@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tailrl.cluster.config import ClusterConfig
+from tailrl.cluster.partial import partial_rollout
 from tailrl.cluster.rollout import ClusterRollout
 from tailrl.config import ConfigError
 from tailrl.engine import SamplingParams
@@ -211,10 +212,10 @@ def test_a_partial_run_resumes_exactly(tiny_chat, task_file, tmp_path):
 def test_the_cluster_driver_hands_back_and_continues_sequences_exactly():
     ref = fake_rollout(PROMPTS, PARAMS)
     cr = ClusterRollout(spec(), 2, ClusterConfig(round_steps=2, migrate=False), CPU, local=True)
-    first, left, lost = cr.partial(PROMPTS, PARAMS, [], lambda fin, running: bool(fin))  # the first round with a finish
+    first, left, lost = partial_rollout(cr, PROMPTS, PARAMS, [], lambda fin, running: bool(fin))  # the first round with a finish
     assert left and not lost and len(first) + len(left) == 32
     assert any(st.output_ids for st in left)
-    rest, none, _ = cr.partial([], [], left, lambda fin, running: False)
+    rest, none, _ = partial_rollout(cr, [], [], left, lambda fin, running: False)
     assert none == []
     got = {(c.prompt_index, c.sample_index): (c.token_ids, c.logprobs, c.finish_reason) for c in first}
     # continued sequences come back under their own slots: map them to their carried (prompt, sample)
@@ -229,7 +230,7 @@ def _settled(round_steps: int, workers: int):
         buf.launch(i, p, prm, 0, start)
     horizon = Horizon(buf, 3)
     cr = ClusterRollout(spec(), workers, ClusterConfig(round_steps=round_steps, migrate=False), CPU, local=True)
-    comps, left, lost = cr.partial(PROMPTS, PARAMS, [], horizon)
+    comps, left, lost = partial_rollout(cr, PROMPTS, PARAMS, [], horizon)
     assert not lost
     buf.settle(comps, left, horizon, 0)
     return horizon.stop, [[(r.done, r.tokens, r.versions) for r in g.responses] for g in buf.groups]

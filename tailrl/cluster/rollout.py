@@ -87,10 +87,9 @@ class ClusterRollout:
             pass
         return self.finish()
 
-    def start(self, prompts: list, sampling=None, tasks=None, carried: list | None = None) -> None:
-        """A rollout of `prompts` (their n samples each, keys (prompt, sample)); carried: running sequences' states
-        (partial rollouts: exported last step) to continue first, each under its own key (len(prompts) + k,
-        its sample index)."""
+    def start(self, prompts: list, sampling=None, tasks=None, before_new=None) -> None:
+        """A rollout of `prompts` (their n samples each, keys (prompt, sample)); before_new(): what goes to the
+        workers ahead of them (partial rollouts' carried sequences, cluster/partial.py)."""
         self._revive()
         sampling = sampling or SamplingParams()
         params = list(sampling) if isinstance(sampling, list) else [sampling] * len(prompts)
@@ -110,30 +109,13 @@ class ClusterRollout:
         live = self._live()
         self.predicted = [self.predictor.predict(self.prompts[i], self.tasks[i]) for i in range(len(prompts))]
         units = [Unit(i, 0, p.n, self.predicted[i]) for i, p in enumerate(self.params)]
-        if carried:
-            self._continue(carried)
+        if before_new is not None:
+            before_new()
         max_seqs = self.spec.engine.max_num_seqs
         plan = (place(units, len(live), cost=self.cost, max_seqs=max_seqs) if self.cfg.placement == "histopipe"
                 else static_split(units, len(live)))
         for w, bin_units in zip(self._affine(plan, live), plan):
             self._add(w, bin_units)
-
-    def _continue(self, states: list) -> None:
-        """Carried sequences, each its own prompt slot (n = 1, its seed), to the workers holding the fewest."""
-        by_worker: dict[int, list] = {}
-        for st in states:
-            i = len(self.prompts)
-            self.prompts.append(list(st.prompt_ids))
-            self.tasks.append(None)
-            self.params.append(dataclasses.replace(st.params, n=1, seed=st.seed - st.sample_index))
-            self.predicted.append(self.predictor.predict(self.prompts[i], None))
-            self.prompt_ids[i] = list(st.prompt_ids)
-            key = (i, st.sample_index)
-            self.samples[key] = Sample(i, st.sample_index, tokens=list(st.output_ids))
-            w = min(self._live(), key=lambda v: (len(by_worker.get(v, [])), v))
-            self.carried[key] = dataclasses.replace(st, prompt_index=i)
-            by_worker.setdefault(w, []).append((key, self.carried[key]))
-        self._import(by_worker)
 
     def _import(self, by_worker: dict[int, list]) -> None:
         for w, items in by_worker.items():
@@ -145,41 +127,6 @@ class ClusterRollout:
                 continue
             for i, (key, _) in zip(ids, items):
                 self._hold(w, i, key)
-
-    def partial(self, prompts: list, sampling: list, carried: list, done) -> tuple[Completions, list, list]:
-        """A partial rollout (rl/partial.py): `carried` states continue, `prompts` start, and rounds run until
-        `done(finished, running)` says the step has enough: finished, the round's new completions (labelled by their
-        key); running(), (slot, sample, tokens so far) of every unfinished sample. Returns
-        (the finished completions, the unfinished sequences exported as states, the keys of those lost with a
-        failed worker: their tokens are gone, they restart)."""
-        self.start(prompts, sampling, None, carried)
-        told: set = set()
-        while True:
-            more = self.step()
-            fresh = [k for k in self.done if k not in told]
-            told.update(fresh)
-            running = lambda: [(i, j, len(self.samples[(i, j)].tokens)) for w in self._live()  # noqa: E731
-                               for i, j in self.held[w].values()]
-            if done([self.done[k] for k in fresh], running) or not more:
-                break
-        left, lost = [], []
-        for w in self._live():
-            ids = list(self.held[w])
-            if not ids:
-                continue
-            try:
-                states = self.pool.call(w, "export", ids, timeout=self.cfg.step_timeout_s)
-            except WorkerFailed as e:  # the pool marks it dead; it restarts at the next step
-                self.counts["cluster/worker_failures"] += 1
-                log.warning("worker %d failed handing back its %d unfinished samples (%s): they restart", w, len(ids), e)
-                lost += list(self.held[w].values())
-                self.held[w] = {}
-                continue
-            for i, st in zip(ids, states):
-                key = self.held[w].pop(i)
-                self._check_label(w, key, st.prompt_index, st.prompt_ids, st.seed)
-                left.append(dataclasses.replace(st, prompt_index=key[0], sample_index=key[1]))
-        return self.finish(partial=True), left, lost
 
     def step(self) -> bool:
         """One round: every worker with work runs about round_s of engine steps; then finished samples are

@@ -150,6 +150,8 @@ class EngineRollout:
     def _cluster_partial(self, prompts, params, labels, states, done, weights):
         """The partial rollout on Ray workers: this step's weights first, then the driver's rounds until `done`;
         keys come back as (label, sample) like the engine's."""
+        from ...cluster.partial import partial_rollout
+
         t = time.perf_counter()
         c = self.cluster
         sync_s = c.sync_weights(weights(), head_state(self.head) if self.head is not None else None)
@@ -158,7 +160,7 @@ class EngineRollout:
         def relabel(x):
             return dataclasses.replace(x, prompt_index=slot_label[x.prompt_index])
 
-        comps, left, lost = c.partial(prompts, params, states, lambda fin, running: done(
+        comps, left, lost = partial_rollout(c, prompts, params, states, lambda fin, running: done(
             [relabel(x) for x in fin], lambda: [(slot_label[i], j, n) for i, j, n in running()]))
         metrics = {k: v for k, v in c.metrics.items() if isinstance(v, (int, float))}
         if self.head is not None:
