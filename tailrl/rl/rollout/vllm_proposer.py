@@ -17,13 +17,15 @@ Counters (`stats`) come back through `collective_rpc` as our spec/* metrics."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
 
 from ...speculative.config import SpecConfig
 from ...speculative.drafters import PromptHistory
-from ...speculative.selector import OFF, Selector
+from ...speculative.selector import OFF, Arm, Selector
 from ...speculative.suffix import TreeShape, build_tree
 
 PROBE = 8  # tokens of a prompt compared to confirm a row still holds the request it held last step
@@ -40,6 +42,11 @@ class HistoryProposer:
         self.selector = Selector(SpecConfig(mode="auto", budgets=budgets, seed=self.cfg.seed), ["history"])
         self.arm, self.last_t, self.last_rows, self.last_drafted = OFF, None, 0, 0
         self.stats = {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
+        # TAILRL_VLLM_TRACE=FILE: a JSON line per step (rows, drafted, emitted, seconds, arm) for profiling;
+        # TAILRL_VLLM_ARM=off|history:K: that arm at every step instead of the selector's (benchmarks only)
+        self.trace = open(os.environ["TAILRL_VLLM_TRACE"], "a") if os.environ.get("TAILRL_VLLM_TRACE") else None
+        forced = os.environ.get("TAILRL_VLLM_ARM")
+        self.forced = None if not forced else OFF if forced == "off" else Arm("history", int(forced.split(":")[1]))
 
     # ---- what the rollout pushes, through collective_rpc --------------------------------------------------
 
@@ -56,6 +63,9 @@ class HistoryProposer:
             ph.commit(self.cfg.history_epochs)
         self.rows.clear()
         self.last_t = None
+        if self.trace is not None:
+            self.trace.write(json.dumps({"end_rollout": True}) + "\n")
+            self.trace.flush()
         out, self.stats = self.stats, {k: 0 if k != "draft_s" else 0.0 for k in self.stats}
         return out
 
@@ -70,8 +80,12 @@ class HistoryProposer:
             step_s = t0 - self.last_t
             self.selector.record(self.arm, self.last_rows, self.last_rows + self.last_drafted, step_s, step_s,
                                  emitted, self.last_drafted, self.last_draft_s)
+            if self.trace is not None:
+                self.trace.write(json.dumps({"rows": self.last_rows, "drafted": self.last_drafted, "emitted": emitted,
+                                             "step_s": round(step_s, 5), "draft_s": round(self.last_draft_s, 5),
+                                             "arm": str(self.arm)}) + "\n")
         self._follow(B, num_tokens_no_spec, token_ids_cpu)
-        self.arm = self.selector.choose(B) if B else OFF
+        self.arm = (self.forced if self.forced is not None else self.selector.choose(B)) if B else OFF
         drafts = [[] for _ in range(B)]
         if self.arm != OFF:
             for i in range(B):
