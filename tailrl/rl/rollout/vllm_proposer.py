@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from ...speculative.config import SpecConfig
-from ...speculative.drafters import PromptHistory
-from ...speculative.selector import OFF, Arm, Selector
+from ...speculative.drafters import PROMPT_TAIL, PromptHistory
+from ...speculative.goodput import Calibration, StepLine, choose
 from ...speculative.suffix import TreeShape, build_tree
 
 PROBE = 8  # tokens of a prompt compared to confirm a row still holds the request it held last step
@@ -38,15 +38,15 @@ class HistoryProposer:
         self.prompts: dict[tuple[int, ...], PromptHistory] = {}
         self.by_len: dict[int, set[tuple[int, ...]]] = {}  # prompt length -> prompts of that length
         self.rows: dict[int, tuple] = {}  # row -> (prompt key, live stream id, tokens seen)
-        budgets = tuple(b for b in self.cfg.budgets if b <= self.k) or (self.k,)
-        self.selector = Selector(SpecConfig(mode="auto", budgets=budgets, seed=self.cfg.seed), ["history"])
-        self.arm, self.last_t, self.last_rows, self.last_drafted = OFF, None, 0, 0
+        self.line, self.calib = StepLine(), Calibration(depth=max(self.k, 1))
+        self.pending: dict[tuple, list[float]] = {}  # (prompt key, stream) -> estimates of the drafts it verifies
+        self.last_t, self.last_rows, self.last_drafted, self.last_draft_s = None, 0, 0, 0.0
         self.stats = {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
         # TAILRL_VLLM_TRACE=FILE: a JSON line per step (rows, drafted, emitted, seconds, arm) for profiling;
         # TAILRL_VLLM_ARM=off|history:K: that arm at every step instead of the selector's (benchmarks only)
         self.trace = open(os.environ["TAILRL_VLLM_TRACE"], "a") if os.environ.get("TAILRL_VLLM_TRACE") else None
         forced = os.environ.get("TAILRL_VLLM_ARM")
-        self.forced = None if not forced else OFF if forced == "off" else Arm("history", int(forced.split(":")[1]))
+        self.forced = None if not forced else 0 if forced == "off" else int(forced.split(":")[1])
 
     # ---- what the rollout pushes, through collective_rpc --------------------------------------------------
 
@@ -62,6 +62,7 @@ class HistoryProposer:
         for ph in self.prompts.values():
             ph.commit(self.cfg.history_epochs)
         self.rows.clear()
+        self.pending.clear()
         self.last_t = None
         if self.trace is not None:
             self.trace.write(json.dumps({"end_rollout": True}) + "\n")
@@ -76,24 +77,39 @@ class HistoryProposer:
         B = len(sampled_token_ids)
         emitted = sum(len(s) for s in sampled_token_ids)
         self.stats["accepted"] += sum(max(len(s) - 1, 0) for s in sampled_token_ids)
-        if self.last_t is not None and self.last_rows:  # the step just verified: what the selector learns from
+        if self.last_t is not None and self.last_rows:  # the step just verified: what the cost line learns from
             step_s = t0 - self.last_t
-            self.selector.record(self.arm, self.last_rows, self.last_rows + self.last_drafted, step_s, step_s,
-                                 emitted, self.last_drafted, self.last_draft_s)
+            self.line.record(self.last_rows, self.last_drafted, step_s)
             if self.trace is not None:
                 self.trace.write(json.dumps({"rows": self.last_rows, "drafted": self.last_drafted, "emitted": emitted,
-                                             "step_s": round(step_s, 5), "draft_s": round(self.last_draft_s, 5),
-                                             "arm": str(self.arm)}) + "\n")
+                                             "step_s": round(step_s, 5), "draft_s": round(self.last_draft_s, 5)})
+                                 + "\n")
         self._follow(B, num_tokens_no_spec, token_ids_cpu)
-        self.arm = (self.forced if self.forced is not None else self.selector.choose(B)) if B else OFF
+        chains, cands = [None] * B, [[] for _ in range(B)]
+        for i in range(B):
+            held = self.rows.get(i)
+            if held is None or not sampled_token_ids[i]:
+                continue
+            est = self.pending.pop(held[:2], None)
+            if est is not None:  # its drafts of last step were verified: len - 1 of them accepted
+                self.calib.record(est, len(sampled_token_ids[i]) - 1)
+            if self.forced != 0:
+                chains[i] = self._chain(i, int(num_tokens_no_spec[i]), token_ids_cpu[i])
+                if chains[i] is not None:
+                    cands[i] = list(self.calib(chains[i][1]))
+        if self.forced is not None:
+            counts = [min(len(c), self.forced) for c in cands]
+        else:
+            counts = choose(self.line, B, cands)
         drafts = [[] for _ in range(B)]
-        if self.arm != OFF:
-            for i in range(B):
-                if sampled_token_ids[i] and i in self.rows:
-                    drafts[i] = self._draft(i, int(num_tokens_no_spec[i]), token_ids_cpu[i], self.arm.budget)
-        drafted = sum(len(d) for d in drafts)
+        for i, m in enumerate(counts):
+            if m:
+                tokens, est = chains[i]
+                drafts[i] = tokens[:m]
+                self.pending[self.rows[i][:2]] = est[:m]
+        drafted = sum(counts)
         self.stats["steps"] += 1
-        self.stats["spec_steps"] += self.arm != OFF
+        self.stats["spec_steps"] += drafted > 0
         self.stats["drafted"] += drafted
         self.last_draft_s = time.perf_counter() - t0
         self.stats["draft_s"] += self.last_draft_s
@@ -106,31 +122,50 @@ class HistoryProposer:
     # ---- rows to prompts, and their live streams ----------------------------------------------------------
 
     def _follow(self, B: int, num_tokens, token_ids) -> None:
-        """Keeps each row's live stream in its prompt's index up to date; a row whose request changed (vLLM
-        reorders and reuses rows) is matched again by prefix."""
+        """Keeps each row's live stream in its prompt's index up to date. vLLM reorders its rows as requests finish
+        (and reuses them), so a row that no longer continues the stream it held is matched again: to its prompt by
+        prefix, then to the live stream of that prompt it continues (a moved request keeps its stream: its tokens
+        are not indexed twice and its verified drafts are credited to it), or to a new one."""
+        kept, loose = {}, []
         for i in range(B):
-            n = int(num_tokens[i])
-            row = token_ids[i]
-            held = self.rows.get(i)
+            n, row, held = int(num_tokens[i]), token_ids[i], self.rows.get(i)
             if held is not None:
                 key, sid, seen = held
-                L = len(key)
-                if not (L <= seen <= n and tuple(row[:PROBE].tolist()) == key[:PROBE] and row[seen - 1] ==
-                        self.prompts[key].index.streams[sid][-1]):
-                    held = None
-            if held is None:
-                key = self._match(row, n)
-                if key is None:
-                    self.rows.pop(i, None)
+                if len(key) <= seen <= n and tuple(row[:PROBE].tolist()) == key[:PROBE] and \
+                        row[seen - 1] == self.prompts[key].index.streams[sid][-1]:
+                    kept[i] = held
                     continue
-                ph = self.prompts[key]
-                sid, seen = ph.start_live(), len(key)
-            ph = self.prompts[key]
+            loose.append(i)
+        taken = {held[:2] for held in kept.values()}
+        for i in loose:
+            n, row = int(num_tokens[i]), token_ids[i]
+            key = self._match(row, n)
+            if key is None:
+                continue
+            held = self._resume(key, row, n, taken) or (key, self.prompts[key].start_live(), len(key))
+            taken.add(held[:2])
+            kept[i] = held
+        for i, (key, sid, seen) in kept.items():
+            n = int(num_tokens[i])
             if n > seen:
-                ph.index.extend(sid, row[seen:n].tolist())
-            self.rows[i] = (key, sid, n)
-        for i in [r for r in self.rows if r >= B]:
-            del self.rows[i]
+                self.prompts[key].index.extend(sid, token_ids[i][seen:n].tolist())
+            kept[i] = (key, sid, n)
+        self.rows = kept
+
+    def _resume(self, key: tuple, row: np.ndarray, n: int, taken: set) -> tuple | None:
+        """The live stream of `key` that this row continues (its response so far ends the row's tokens up to the
+        stream's length), not held by another row: (key, stream, tokens it covers); None if there is none."""
+        ph, L = self.prompts[key], len(key)
+        cut = len(ph.prompt[-PROMPT_TAIL:])
+        for sid in ph.live:
+            if (key, sid) in taken:
+                continue
+            stream = ph.index.streams[sid]
+            r = len(stream) - cut
+            m = min(r, PROBE)
+            if 0 < r and L + r <= n and row[L + r - m : L + r].tolist() == stream[-m:]:
+                return key, sid, L + r
+        return None
 
     def _match(self, row: np.ndarray, n: int) -> tuple[int, ...] | None:
         for L, keys in self.by_len.items():
@@ -140,16 +175,19 @@ class HistoryProposer:
                     return key
         return None
 
-    def _draft(self, i: int, n: int, row: np.ndarray, budget: int) -> list[int]:
+    def _chain(self, i: int, n: int, row: np.ndarray) -> tuple[list[int], np.ndarray] | None:
+        """Row i's draft chain from its prompt's history (at most k tokens), and each token's estimated cumulative
+        acceptance: the share of the matched continuations that agree with the chain up to it."""
         key, _, _ = self.rows[i]
         ph = self.prompts[key]
         ctx = row[max(0, n - self.cfg.max_match - 1) : n].tolist()
         m, occ = ph.index.match(ctx, self.cfg.max_match)
         if m < self.cfg.min_match:
-            return []
-        budget = min(budget, self.k, int(self.cfg.match_factor * m + self.cfg.match_offset))
-        tree = build_tree(ph.index.streams, occ, TreeShape(budget, budget, self.cfg.min_prob, chain=True), "history")
-        return list(tree.tokens) if tree is not None else []
+            return None
+        tree = build_tree(ph.index.streams, occ, TreeShape(self.k, self.k, self.cfg.min_prob, chain=True), "history")
+        if tree is None:
+            return None
+        return list(tree.tokens), np.cumprod(tree.cond)
 
 
 # ---- functions run on the worker by collective_rpc (they receive the worker) ------------------------------------
