@@ -15,7 +15,7 @@ Given the candidates (each row's chain, acceptance non-increasing along it), the
 best m by acceptance, where m maximises (B + sum of their acceptance) / step_s(B, m) (`choose`): a token is verified
 only where its expected gain beats the time its row costs at the step's current goodput, so large batches draft
 little or nothing (a row costs about as much as an emitted token) and the tail drafts deep. Before the line is
-known (`ready`), steps draft the tokens estimated at least `explore_p`: they time drafted steps of several sizes."""
+known (`ready`), steps of small batches draft the tokens estimated at least `explore_p`: they time drafted steps."""
 
 from __future__ import annotations
 
@@ -99,10 +99,14 @@ class Calibration:
         np.add.at(self.accepted, (d[:accepted], b[:accepted]), 1.0)
 
 
-def choose(line: StepLine, seqs: int, cands: list[list[float]], explore_p: float = 0.5) -> list[int]:
+def choose(line: StepLine, seqs: int, cands: list[list[float]], explore_p: float = 0.5,
+           explore_seqs: int = 16) -> list[int]:
     """Per row, how many of its chain's tokens to verify. cands[i]: row i's calibrated acceptance per chain token
-    (non-increasing)."""
+    (non-increasing). Before the line is known, only batches of at most `explore_seqs` sequences draft (their
+    likely tokens): where a step's fixed cost dominates, the measuring costs least and most likely pays."""
     if not line.ready:
+        if seqs > explore_seqs:
+            return [0] * len(cands)
         return [sum(1 for p in c if p >= explore_p) for c in cands]
     flat = [(p, i) for i, c in enumerate(cands) for p in c]
     if not flat:
