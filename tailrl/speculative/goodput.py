@@ -15,7 +15,7 @@ Given the candidates (each row's chain, acceptance non-increasing along it), the
 best m by acceptance, where m maximises (B + sum of their acceptance) / step_s(B, m) (`choose`): a token is verified
 only where its expected gain beats the time its row costs at the step's current goodput, so large batches draft
 little or nothing (a row costs about as much as an emitted token) and the tail drafts deep. Before the line is
-known (`ready`), steps of small batches draft the tokens estimated at least `explore_p`: they time drafted steps."""
+known (`ready`), a step verifies a few of its likeliest tokens: drafted steps of every size get timed."""
 
 from __future__ import annotations
 
@@ -99,24 +99,27 @@ class Calibration:
         np.add.at(self.accepted, (d[:accepted], b[:accepted]), 1.0)
 
 
-def choose(line: StepLine, seqs: int, cands: list[list[float]], explore_p: float = 0.5,
-           explore_seqs: int = 16) -> list[int]:
+def choose(line: StepLine, seqs: int, cands: list[list[float]], explore: bool = False, explore_p: float = 0.5,
+           explore_tokens: int = 16) -> list[int]:
     """Per row, how many of its chain's tokens to verify. cands[i]: row i's calibrated acceptance per chain token
-    (non-increasing). Before the line is known, only batches of at most `explore_seqs` sequences draft (their
-    likely tokens): where a step's fixed cost dominates, the measuring costs least and most likely pays."""
-    if not line.ready:
-        if seqs > explore_seqs:
-            return [0] * len(cands)
-        return [sum(1 for p in c if p >= explore_p) for c in cands]
+    (non-increasing). Before the line is known, a step verifies at most `explore_tokens` of its likeliest tokens
+    (those estimated at least `explore_p`): enough to time drafted steps at every batch size, little to lose; so
+    does a step asked to `explore` (the caller's every Nth: the line keeps seeing drafted steps where it stopped
+    drafting, and can change its mind)."""
     flat = [(p, i) for i, c in enumerate(cands) for p in c]
-    if not flat:
-        return [0] * len(cands)
     flat.sort(key=lambda x: -x[0])
+    out = [0] * len(cands)
+    if explore or not line.ready:
+        for p, i in flat[:explore_tokens]:
+            if p >= explore_p:
+                out[i] += 1
+        return out
+    if not flat:
+        return out
     gain = np.cumsum([0.0] + [p for p, _ in flat])
     m = np.arange(len(flat) + 1)
     rate = (seqs + gain) / line.seconds(seqs, m)
     best = int(np.argmax(rate))
-    out = [0] * len(cands)
     for _, i in flat[:best]:
         out[i] += 1
     return out

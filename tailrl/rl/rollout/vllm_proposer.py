@@ -29,6 +29,7 @@ from ...speculative.goodput import Calibration, StepLine, choose
 from ...speculative.suffix import TreeShape, build_tree
 
 PROBE = 8  # tokens of a prompt compared to confirm a row still holds the request it held last step
+EXPLORE_EVERY = 32  # every this many steps a few likely tokens are verified whatever the choice (goodput.choose)
 
 
 class HistoryProposer:
@@ -100,7 +101,7 @@ class HistoryProposer:
         if self.forced is not None:
             counts = [min(len(c), self.forced) for c in cands]
         else:
-            counts = choose(self.line, B, cands)
+            counts = choose(self.line, B, cands, explore=self.stats["steps"] % EXPLORE_EVERY == 0)
         drafts = [[] for _ in range(B)]
         for i, m in enumerate(counts):
             if m:
