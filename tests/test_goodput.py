@@ -72,3 +72,15 @@ def test_calibration_learns_what_drafts_did():
     assert q[0] > 0.95 and q[2] > 0.95 and q[3] < 0.05 and q[7] < 0.05
     assert np.all(np.diff(q) <= 0)  # non-increasing along the chain
     assert cal([]).size == 0
+
+
+def test_no_chain_is_worth_computing_where_even_a_certain_token_does_not_pay():
+    from tailrl.speculative.goodput import worth_drafting
+
+    line = fitted_line()
+    assert worth_drafting(line, 4, 8) and worth_drafting(line, 128, 8) and worth_drafting(StepLine(), 128, 8)
+    costly = StepLine()  # a draft token costing 3x a sequence: not even certain tokens pay
+    for s in range(1, 129, 3):
+        for d in (0, s, 2 * s):
+            costly.record(s, d, 0.01 + 0.001 * s + 0.003 * d + 0.03 * (d > 0))
+    assert costly.ready and not worth_drafting(costly, 128, 8) and worth_drafting(costly, 1, 8)  # a step of one: yes

@@ -123,3 +123,12 @@ def choose(line: StepLine, seqs: int, cands: list[list[float]], explore: bool = 
     for _, i in flat[:best]:
         out[i] += 1
     return out
+
+
+def worth_drafting(line: StepLine, seqs: int, k: int) -> bool:
+    """Could drafting pay at this batch size at best (every row a chain of k tokens, each certain)? False where the
+    line is known and says not: then no chain is computed (drafting costs host time on every step)."""
+    if not line.ready:
+        return True
+    m = seqs * k
+    return (seqs + m) / float(line.seconds(seqs, m)) > seqs / float(line.seconds(seqs, 0))
