@@ -60,6 +60,9 @@ def test_before_the_line_is_known_it_drafts_the_likely_tokens_to_measure_them():
     assert choose(line, 64, [[0.9, 0.6, 0.4], [0.2]]) == [2, 0]
     many = choose(line, 64, [[0.9, 0.8, 0.7]] * 64)  # a few tokens a step, at any batch size
     assert sum(many) == 16 and max(many) <= 3
+    for _ in range(40):  # large steps with the same few drafts do not tell what a draft costs
+        line.record(128 - _ % 32, 16, true_s(128, 16))
+    assert not line.ready
 
 
 def test_calibration_learns_what_drafts_did():
@@ -84,3 +87,16 @@ def test_no_chain_is_worth_computing_where_even_a_certain_token_does_not_pay():
         for d in (0, s, 2 * s):
             costly.record(s, d, 0.01 + 0.001 * s + 0.003 * d + 0.03 * (d > 0))
     assert costly.ready and not worth_drafting(costly, 128, 8) and worth_drafting(costly, 1, 8)  # a step of one: yes
+
+
+def test_a_batch_whose_drafts_cost_more_than_the_line_says_learns_to_draft_less():
+    line = fitted_line()
+    chain = [0.8, 0.7, 0.6, 0.5]
+    before = sum(choose(line, 100, [chain] * 100))
+    small = line.correction.get(0, 1.0)
+    assert before > 0
+    for _ in range(30):  # at 100 sequences, drafts cost 3x what the line through all steps predicts
+        line.record(100, 200, true_s(100, 0) + 3 * (true_s(100, 200) - true_s(100, 0)))
+    assert line.correction[100 // 16] > 1.5  # (the line itself moves toward these steps too)
+    assert sum(choose(line, 100, [chain] * 100)) < before
+    assert line.correction.get(0, 1.0) == small  # other batch sizes keep their correction

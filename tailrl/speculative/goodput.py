@@ -31,39 +31,55 @@ class StepLine:
         self.xy = np.zeros(4)
         self.n = 0
         self.seen_rows: set[int] = set()
-        self.seen_drafts = 0
+        self.seen_drafts: set[int] = set()  # log2 buckets of draft tokens a timed step carried
         self._w: np.ndarray | None = None
+        # per bucket of 16 sequences, measured over predicted seconds of the drafts' share of a step (EMA): one
+        # line through the tail's small steps under-prices the many draft rows of a large batch
+        self.correction: dict[int, float] = {}
 
     @staticmethod
     def features(seqs: int, drafts: int) -> np.ndarray:
         return np.array([1.0, seqs, drafts, 1.0 if drafts else 0.0])
 
     def record(self, seqs: int, drafts: int, seconds: float) -> None:
+        if drafts and self.ready:
+            base = float(self.seconds(seqs, 0))
+            extra = float(self.seconds(seqs, drafts, corrected=False)) - base
+            if extra > 0:
+                ratio = min(max((seconds - base) / extra, 0.5), 4.0)
+                c = self.correction.get(seqs // 16, 1.0)
+                self.correction[seqs // 16] = c + 0.2 * (ratio - c)
         x = self.features(seqs, drafts)
         self.xx = self.decay * self.xx + np.outer(x, x)
         self.xy = self.decay * self.xy + seconds * x
         self.n += 1
         self.seen_rows.add(seqs // 8)
-        self.seen_drafts += drafts > 0
+        if drafts:
+            self.seen_drafts.add(int(drafts).bit_length())
         self._w = None
 
     @property
     def ready(self) -> bool:
-        """Enough steps of different sizes, some with drafts, to tell the four terms apart."""
-        return self.n >= 24 and len(self.seen_rows) >= 3 and self.seen_drafts >= 8
+        """Enough steps of different sizes, with draft counts of different magnitudes, to tell the four terms apart
+        (steps of ~128 sequences with 16 drafts each cannot say what a draft token costs)."""
+        return self.n >= 24 and len(self.seen_rows) >= 3 and len(self.seen_drafts) >= 3
 
     def weights(self) -> np.ndarray:
         if self._w is None:
             w = np.linalg.solve(self.xx, self.xy)
-            w[1:3] = np.maximum(w[1:3], 1e-6)  # a row never costs nothing (noise can fit it negative)
+            w[1] = max(w[1], 1e-6)  # a sequence never costs nothing (noise can fit it negative)
+            # a draft token is a row of the verify forward: priced at no less than half a sequence, whatever a
+            # noisy fit says (a fit that priced it at nothing drafted every candidate at 128 sequences)
+            w[2] = max(w[2], 0.5 * w[1])
             w[3] = max(w[3], 0.0)
             self._w = w
         return self._w
 
-    def seconds(self, seqs: int, drafts) -> np.ndarray:
+    def seconds(self, seqs: int, drafts, corrected: bool = True) -> np.ndarray:
         a, b, r, c = self.weights()
         drafts = np.asarray(drafts, dtype=float)
-        return max(a, 1e-4) + b * seqs + r * drafts + c * (drafts > 0)
+        k = self.correction.get(seqs // 16, 1.0) if corrected else 1.0
+        return max(a, 1e-4) + b * seqs + k * (r * drafts + c * (drafts > 0))
 
 
 class Calibration:
