@@ -8,8 +8,8 @@ CPU sampler draws its noise in a fused C++ op, so plain decoding does not pay it
 vLLM-CPU started every step 1.3x behind.
 
 How: `sample_recovered_tokens` is replaced in the sampling process by `recovered_tokens`, which draws the same
-noise law (Exp(1) by inversion of torch's uniform: -log(1 - U), kept above the dtype's smallest normal so that its
-reciprocal is finite) only for the rows with drafts (a row without drafts has no position whose recovered token is
+noise law (Exp(1) by inversion of a float64 uniform: -log(1 - U), never 0, so that its reciprocal is finite) only
+for the rows with drafts (a row without drafts has no position whose recovered token is
 read), each seeded request from its own generator, then calls vLLM's own kernel unchanged. The tokens' law is
 vLLM's: lossless where vLLM's is (the audit is the witness, with this and vllm_repair active together).
 
@@ -28,9 +28,16 @@ PARAMS = ("max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "draft_toke
 _original = None  # vLLM's sample_recovered_tokens while ours stands in for it in this process
 
 
-def exponential(u: torch.Tensor) -> torch.Tensor:
-    """Exp(1) from U ~ Uniform[0, 1) in place, by inversion; never 0 (vLLM divides by it)."""
-    return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(u.dtype).tiny)
+def exponential(shape, dtype: torch.dtype, device="cpu", generator=None) -> torch.Tensor:
+    """Exp(1) draws by inversion of a float64 uniform (53 random bits), in `dtype`, never 0 (vLLM divides by it).
+
+    Not of a float32 uniform: its 24 bits make U = 0 (q = 0, clamped or not) once in 2**24 draws, 0.3% of the
+    rows of a 49,152-token vocabulary, and the entry with that q wins the recovered token's argmax whatever its
+    probability: a first version did that, and the audit caught it (tokens of target log p -40 at T 0.7). With 53
+    bits the smallest q is ~1e-16, so a token must have p of that order to win by the draw's resolution."""
+    u = torch.empty(shape, dtype=torch.float64, device=device).uniform_(generator=generator)
+    q = u.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float64).tiny)
+    return q.to(dtype)
 
 
 def inverse_noise(num_draft_tokens: list[int], vocab: int, dtype: torch.dtype, device, generators: dict) -> torch.Tensor:
@@ -39,11 +46,10 @@ def inverse_noise(num_draft_tokens: list[int], vocab: int, dtype: torch.dtype, d
     inv = torch.ones((len(num_draft_tokens), vocab), dtype=dtype, device=device)
     rows = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i not in generators]
     if rows:
-        q = exponential(torch.empty((len(rows), vocab), dtype=dtype, device=device).uniform_())
-        inv[rows] = q.reciprocal_()
+        inv[rows] = exponential((len(rows), vocab), dtype, device).reciprocal_()
     for i, gen in generators.items():
         if num_draft_tokens[i] > 0:
-            inv[i] = exponential(torch.empty(vocab, dtype=dtype, device=device).uniform_(generator=gen)).reciprocal_()
+            inv[i] = exponential(vocab, dtype, device, gen).reciprocal_()
     return inv
 
 
