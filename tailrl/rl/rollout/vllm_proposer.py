@@ -8,8 +8,9 @@ row; it passes no request ids and no prompt lengths. So the rollout pushes its p
 through `collective_rpc`), and a row is matched to its prompt by token prefix: the row's tokens start with the
 prompt's. Each row then drafts from its prompt's history (SuffixDecoding / RhymeRL HistoSpec: earlier epochs'
 responses to the same prompt, and this step's sibling samples as they grow: speculative/drafters.PromptHistory),
-a chain of at most k tokens (vLLM verifies chains). Our selector (speculative/selector.py) decides per step whether
-drafting pays at this batch size and how many tokens: a row gets an empty draft where it does not.
+a chain of at most k tokens (vLLM verifies chains). Which of the chains' tokens a step verifies is chosen for the
+step's goodput (speculative/goodput.py: vLLM's steps timed from outside and fitted as a cost line, acceptance
+estimates calibrated by what verified drafts did): a row gets an empty draft where drafting does not pay.
 
 Lossless by construction of vLLM's rejection sampler, where the engine's SD passes our audit (vllm_audit.py): the
 drafts only decide which tokens are verified, never what is emitted. Greedy requests emit what plain decoding emits.
@@ -47,7 +48,7 @@ class HistoryProposer:
         self.last_t, self.last_rows, self.last_drafted, self.last_draft_s = None, 0, 0, 0.0
         self.stats = {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
         # TAILRL_VLLM_TRACE=FILE: a JSON line per step (rows, drafted, emitted, seconds, arm) for profiling;
-        # TAILRL_VLLM_ARM=off|history:K: that arm at every step instead of the selector's (benchmarks only)
+        # TAILRL_VLLM_ARM=off|history:K: that many draft tokens at every step instead of the goodput choice (profiling)
         self.trace = open(os.environ["TAILRL_VLLM_TRACE"], "a") if os.environ.get("TAILRL_VLLM_TRACE") else None
         forced = os.environ.get("TAILRL_VLLM_ARM")
         self.forced = None if not forced else 0 if forced == "off" else int(forced.split(":")[1])
