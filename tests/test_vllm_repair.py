@@ -218,6 +218,7 @@ def test_recovery_noise_is_exp1_never_zero_and_drawn_for_drafting_rows_only():
     assert torch.equal(inv[3], again[3])  # the seeded row: its own generator's draws
 
 
+@pytest.mark.slow  # 12 s (a vLLM import in a subprocess): the fast tier stays under 3 minutes
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (setup.sh --vllm)")
 def test_recovered_tokens_follow_the_target_without_the_draft():
     """Through vLLM's own recovered-token kernel (its CPU stand-in), the tokens our noise recovers follow the
