@@ -58,9 +58,11 @@ def recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_
     """vLLM's `sample_recovered_tokens` contract, with the noise drawn for drafting rows only."""
     from vllm.v1.sample import rejection_sampler as rs
 
+    out = torch.empty_like(draft_token_ids)
+    if not any(num_draft_tokens):  # a step where no row drafted: no position to recover (vLLM still calls this)
+        return out
     dtype = torch.float64 if use_fp64_gumbel else torch.float32
     inv_q = inverse_noise(list(num_draft_tokens), target_probs.shape[-1], dtype, device, sampling_metadata.generators)
-    out = torch.empty_like(draft_token_ids)
     rs._sample_recovered_tokens(out, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, inv_q,
                                 max_spec_len=max_spec_len)
     return out
