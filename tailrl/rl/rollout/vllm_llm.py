@@ -63,9 +63,12 @@ def make_llm(folder: str, dtype: str, seed: int, max_model_len: int, speculative
     vllm = require_vllm()
     if enforce_eager is None:  # CPU: torch.compile takes minutes at startup on small machines
         enforce_eager = os.environ.get("TAILRL_VLLM_COMPILE", "0") != "1" and not _cuda()
+    # CUDA: vLLM takes 90% of the GPU by default, and refuses to start where less is free: the trainer's actor shares
+    # the GPU, and the audit holds a plain and a speculative LLM at once
+    gpu = {"gpu_memory_utilization": float(os.environ.get("TAILRL_VLLM_GPU_MEMORY", "0.25"))} if _cuda() else {}
     llm = vllm.LLM(model=str(Path(folder)), dtype=dtype, seed=seed, max_model_len=max_model_len,
                    max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                   speculative_config=speculative)
+                   speculative_config=speculative, **gpu)
     repair(llm)
     return llm
 
