@@ -46,6 +46,10 @@
 # The carried paths must be in the checkout the device tool sends (the session's own, not a helper's worktree):
 # run `prepare` there. 15 minutes of device time hold the start (1-2 min), the 8 carrying calls (~10-20 s each),
 # install and the checks; e2e --preset long (two arms) may need a session of its own, from call 1 again.
+# Seen on an H100, 2026-11-27 (benchmarks/RESULTS.md 21): the start and calls 1-6 took 73 s of device time, call 7
+# (install + checks) 86 s, impossible + a 64-token audit (eager) about 6 minutes; e2e did not fit. The install check's
+# tiny LLM then failed in a forked engine core (CUDA initialised in the parent): `install` now runs vLLM in process,
+# not yet rerun on a device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 verb=${1:-}; shift || true
@@ -89,7 +93,8 @@ check)
   rm -rf "$tmp"
   ;;
 install)
-  export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+  # in process: a forked engine core cannot initialise CUDA once the parent has (seen: "CUDA error: initialization error")
+  export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   added=$(python3 benchmarks/gpu_pieces.py add "$WHEELS" /tmp/gpu_wheels 2>&1) || { echo "wheels: $added"; exit 1; }
   echo "wheels: $added"
   [ -d "$GGUF_PARTS" ] && python3 benchmarks/gpu_pieces.py add "$GGUF_PARTS" /tmp/gpu_gguf 2>&1 | sed 's/^/gguf: /'
@@ -159,7 +164,7 @@ EOF
   ;;
 run)
   export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TAILRL_CACHE=/tmp/tailrl-cache
-  export VLLM_ENABLE_V1_MULTIPROCESSING=0
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
   [ -f $SITE/.vllm_installed ] || { echo "run: vLLM is not installed: bash benchmarks/gpu_vllm.sh install first"; exit 1; }
   suffix=$(python3 -c "import arctic_inference.suffix_decoding" 2>/dev/null && echo suffix || true)
   steps=${*:-impossible audit e2e}

