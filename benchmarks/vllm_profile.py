@@ -5,9 +5,12 @@ number of tokens (ignore_eos, T 0.7), under cProfile; prints ms a step and the f
     .venv/bin/python benchmarks/vllm_profile.py --spec off               # our proposer, drafting nothing
     .venv/bin/python benchmarks/vllm_profile.py --spec off --as-shipped  # the same without tailrl's repair
     .venv/bin/python benchmarks/vllm_profile.py --spec history:8         # verifying 8-token chains where it can
+    .venv/bin/python benchmarks/vllm_profile.py --spec repeat:8          # verifying 8 tokens a row at every step
 
---spec off/history:K run our proposer with TAILRL_VLLM_ARM (the same draft length at every step); drafts come from
-the prompts' history, so a first rollout of these synthetic prompts drafts little. Threads: OMP_NUM_THREADS."""
+--spec off/history:K/repeat:K run our proposer with TAILRL_VLLM_ARM (the same draft length at every step); history
+drafts come from the prompts' history, so a first rollout of these synthetic prompts drafts little; repeat:K drafts
+each row's last token K times at every step (mostly rejected: what verifying K tokens a row
+costs). Threads: OMP_NUM_THREADS."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ WATCH = ("execute_model", "_model_forward", "sample_tokens", "rejection_sampler.
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--spec", default="none", help="none (no speculative config) | off | history:K")
+    ap.add_argument("--spec", default="none", help="none (no speculative config) | off | history:K | repeat:K")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--model", default="smollm2-135m")

@@ -77,3 +77,13 @@ def test_drafts_come_from_the_last_epoch_and_verification_calibrates_them(monkey
     cells = p.calib.tried.sum()
     assert cells > 0 and p.calib.accepted.sum() == cells  # every verified draft token counted as accepted
     assert np.all(p.calib(np.ones(K)) >= est_before - 1e-12)
+
+
+def test_repeat_arm_drafts_k_tokens_for_every_row_history_or_not(monkeypatch):
+    proposer(monkeypatch)  # the environment cleared
+    monkeypatch.setenv("TAILRL_VLLM_ARM", "repeat:3")
+    p = HistoryProposer(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K)))
+    b = Batch([[1, 2, 3], [4, 5]])  # prompts it was never given: no history, no match
+    assert b.call(p, [[7], [9]]) == [[7, 7, 7], [9, 9, 9]]
+    assert b.call(p, [[8, 8], []]) == [[8, 8, 8], []]  # a row that emitted nothing this step drafts nothing
+    assert p.stats["drafted"] == 9 and not p.pending

@@ -48,10 +48,12 @@ class HistoryProposer:
         self.last_t, self.last_rows, self.last_drafted, self.last_draft_s = None, 0, 0, 0.0
         self.stats = {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
         # TAILRL_VLLM_TRACE=FILE: a JSON line per step (rows, drafted, emitted, seconds, arm) for profiling;
-        # TAILRL_VLLM_ARM=off|history:K: that many draft tokens at every step instead of the goodput choice (profiling)
+        # TAILRL_VLLM_ARM=off|history:K: that many draft tokens at every step instead of the goodput choice;
+        # repeat:K: every row drafts its last token K times, history or not (what verifying K tokens costs)
         self.trace = open(os.environ["TAILRL_VLLM_TRACE"], "a") if os.environ.get("TAILRL_VLLM_TRACE") else None
         forced = os.environ.get("TAILRL_VLLM_ARM")
         self.forced = None if not forced else 0 if forced == "off" else int(forced.split(":")[1])
+        self.repeat = bool(forced) and forced.startswith("repeat:")
 
     # ---- what the rollout pushes, through collective_rpc --------------------------------------------------
 
@@ -105,7 +107,11 @@ class HistoryProposer:
                 chains[i] = self._chain(i, int(num_tokens_no_spec[i]), token_ids_cpu[i])
                 if chains[i] is not None:
                     cands[i] = list(self.calib(chains[i][1]))
-        if self.forced is not None:
+        if self.repeat:
+            chains = [([int(t[-1])] * self.forced, np.zeros(self.forced)) if len(t) else None
+                      for t in sampled_token_ids]
+            counts = [self.forced if c is not None else 0 for c in chains]
+        elif self.forced is not None:
             counts = [min(len(c), self.forced) for c in cands]
         else:
             counts = choose(self.line, B, cands, explore=explore)
@@ -114,7 +120,8 @@ class HistoryProposer:
             if m:
                 tokens, est = chains[i]
                 drafts[i] = tokens[:m]
-                self.pending[self.rows[i][:2]] = est[:m]
+                if not self.repeat:
+                    self.pending[self.rows[i][:2]] = est[:m]
         drafted = sum(counts)
         self.stats["steps"] += 1
         self.stats["spec_steps"] += drafted > 0
