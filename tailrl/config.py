@@ -105,8 +105,10 @@ class AlgoCfg:
     loss: str = "ppo"
     gspo_clip_low: float = 3e-4  # loss=gspo: the sequence ratio's clip below 1 (the paper's 5.1, verl's gspo recipe)
     gspo_clip_high: float = 4e-4  # loss=gspo: its clip above 1 (clip_low/high apply to ppo only)
-    # loss=cispo: the weight is capped at 1 + this (5: ScaleRL, arXiv 2510.13786, SkyRL's default); no lower bound
-    cispo_clip_high: float = 4.0
+    # loss=cispo: the weight is capped at 1 + this; no lower bound. 0.2 (a cap of 1.2): at ScaleRL's and SkyRL's 4
+    # (arXiv 2510.13786) one default run of 3 collapsed to 0 held-out at step 4; at 0.2 none did, mean 0.68 at step
+    # 16 against PPO's 0.69 (benchmarks/RESULTS.md 19). 4.0 reproduces ScaleRL
+    cispo_clip_high: float = 0.2
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "k3"  # k1 | k3
