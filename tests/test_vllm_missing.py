@@ -1,6 +1,7 @@
 """rollout.backend=vllm without vLLM installed: one line naming the install command."""
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -27,12 +28,9 @@ def test_without_flashinfer_vllm_samples_with_pytorch(monkeypatch, user):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "flashinfer" else find_spec(name, *a))
     monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user or "")  # restored after the test, set or not
     if user is None:
-        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
+        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
     with pytest.raises(ImportError):
         vllm_llm.require_vllm()
-    import os
-
     assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == (user or "0")
