@@ -6,6 +6,7 @@ import torch
 
 from tailrl.cluster.config import ClusterConfig
 from tailrl.cluster.cost import StepCost
+from tailrl.cluster.reallocate import move
 from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import SamplingParams
@@ -67,9 +68,9 @@ def test_sequences_moved_in_any_order_keep_their_labels(scheduler_order):
     assert len(ids) == 5 and ids != [i for i in running if i in ids]
     if scheduler_order:
         with pytest.raises(RuntimeError, match="returned a sequence of prompt"):
-            cr._move(donor, 1 - donor, ids)
+            move(cr, donor, 1 - donor, ids)
         return
-    cr._move(donor, 1 - donor, ids)
+    move(cr, donor, 1 - donor, ids)
     while cr.step():
         pass
     comps = cr.finish()

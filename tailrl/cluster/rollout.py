@@ -1,5 +1,5 @@
-"""The multi-worker rollout driver: place groups by predicted length, run workers in rounds, migrate the tail,
-forward siblings' tokens, survive dead or hung workers, merge statistics.
+"""The multi-worker rollout driver: place groups by predicted length, run workers in rounds, migrate the tail
+(reallocate.py), forward siblings' tokens, survive dead or hung workers, merge statistics.
 
 Invariant (what the tests hold it to): the rollout equals the single-engine rollout for every (prompt, sample):
 same tokens, same logprobs, same order. Every sample keeps its seed (seed + sample_index) wherever it runs, and
@@ -19,9 +19,9 @@ from ..engine.stats import GenerateStats
 from ..engine.tail import tail_size
 from .config import ClusterConfig
 from .cost import StepCost
-from .migrate import Candidate, plan_moves
 from .placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
 from .pool import LocalPool, RayPool, WorkerFailed
+from .reallocate import migrate_tail
 from .workers import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ClusterRollout:
         for w, why in failed.items():
             self._fail(w, why)
         if self.cfg.migrate:
-            self._migrate()
+            migrate_tail(self)
         self.counts["cluster/rounds"] += 1
         return len(self.done) < len(self.samples)
 
@@ -292,54 +292,6 @@ class ClusterRollout:
             else:
                 s.tokens = []
                 self._add(w, [Unit(key[0], key[1], 1, self.predicted[key[0]])])
-
-    def _migrate(self) -> None:
-        """Idle workers take tail work: each from the donor with the most predicted time left, what the cost
-        rule (migrate.plan_moves) says pays, shared among the idle workers."""
-        for recv in [w for w in self._live() if not self.held[w]]:
-            live = self._live()
-            donors = [w for w in live if len(self.held[w]) >= self.cfg.migrate_min_running]
-            if recv not in live or self.held[recv] or not donors:
-                continue
-            rem = {w: [self._remaining(k) for k in self.held[w].values()] for w in donors}
-            donor = max(donors, key=lambda w: (self.cost.base_s * max(rem[w]) + self.cost.per_token_s * sum(rem[w]), -w))
-            cands = [Candidate(i, len(self.prompt_ids.get(k[0], [])), len(self.samples[k].tokens), r)
-                     for (i, k), r in zip(self.held[donor].items(), rem[donor])]
-            n_idle = sum(1 for w in live if not self.held[w])
-            moves = plan_moves(cands, 0, self.cost, self.cfg.migrate_min_running, self.cfg.migrate_margin,
-                               max_moves=max(len(cands) // n_idle, 1))
-            if moves:
-                self._move(donor, recv, [c.key for c in moves])
-
-    def _remaining(self, key: tuple[int, int]) -> float:
-        p = self.params[key[0]]
-        return self.predictor.remaining(self.prompts[key[0]], self.tasks[key[0]], len(self.samples[key].tokens),
-                                        p.max_tokens)
-
-    def _move(self, donor: int, recv: int, ids: list[int]) -> None:
-        try:
-            states = self.pool.call(donor, "export", ids, timeout=self.cfg.step_timeout_s)
-        except WorkerFailed as e:
-            self._fail(donor, str(e))
-            return
-        keys = [self.held[donor].pop(i) for i in ids]
-        for key, st in zip(keys, states):
-            self._check_label(donor, key, st.prompt_index, st.prompt_ids, st.seed)
-        try:
-            new_ids = self.pool.call(recv, "import_", states, timeout=self.cfg.step_timeout_s)
-        except WorkerFailed as e:
-            self._fail(recv, str(e))
-            self._requeue(keys)
-            return
-        for i, key, st in zip(new_ids, keys, states):
-            self._hold(recv, i, key)
-            s = self.samples[key]
-            s.tokens = list(st.output_ids)
-            s.sent.pop(recv, None)
-            s.sent[donor] = len(s.tokens)  # the donor's history already holds these tokens
-            if st.output_ids:
-                self.counts["cluster/reprefill_tokens"] += len(st.prompt_ids) + len(st.output_ids)
-        self.counts["cluster/migrated"] += len(ids)
 
     def _metrics(self, comps, wall: float, idle_states: list) -> dict:
         m = dict(self.counts)
