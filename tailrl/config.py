@@ -11,14 +11,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from .cluster.config import ClusterConfig
 from .config_help import REMOVED, choice_problem, did_you_mean, or_list
 from .config_values import ConfigError, coerce, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
+from .rl.actor.lora_config import ActorCfg
 from .speculative.config import SpecConfig
-
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
 
@@ -202,6 +201,7 @@ class Config:
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # the learned drafter (off by default)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # rollout.workers > 1: placement, migration, Ray
+    actor: ActorCfg = field(default_factory=ActorCfg)  # the policy's trainable parameters (LoRA)
 
     def validate(self) -> None:
         a = self.algo
@@ -251,6 +251,7 @@ class Config:
             (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
             (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried "
              "response restarts)"),
+            (not (self.actor.lora.rank and self.trainer.world_size > 1), "actor.lora.rank", "0 with trainer.world_size > 1 (LoRA trains at one trainer rank for now)"),
             (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
@@ -334,7 +335,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
     if why := choice_problem(cfg):
         raise ConfigError(why)
     for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
-                             (cfg, "cluster", ClusterConfig)):  # nested settings validate themselves on construction
+                             (cfg, "cluster", ClusterConfig), (cfg, "actor", ActorCfg)):  # nested settings validate themselves on construction
         try:
             setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
         except ValueError as e:

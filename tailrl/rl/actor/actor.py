@@ -25,6 +25,7 @@ from .precision import Precision, make_adamw, resolve_mode
 from .ranks import SINGLE, Ranks
 from ..algos import lr_at
 from .update import policy_update
+from .lora import BaseReference, add_adapters, merge_into
 
 
 def device_of(cfg: Config) -> str:
@@ -34,13 +35,23 @@ def device_of(cfg: Config) -> str:
 class Actor:
     def __init__(self, cfg: Config, rollout_dtype: torch.dtype, ranks: Ranks = SINGLE):
         self.cfg, self.ranks = cfg, ranks
-        self.policy, self.tokenizer = load_model(cfg.model.path, device=device_of(cfg), dtype=torch.float32)
+        self.lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
+        mode = resolve_mode(cfg.model.train_compute, rollout_dtype)
+        # LoRA: the frozen base in the compute dtype (no fp32 master of it), fp32 adapters (lora.py)
+        base_dtype = torch.bfloat16 if self.lora and mode == "bfloat16" else torch.float32
+        self.policy, self.tokenizer = load_model(cfg.model.path, device=device_of(cfg), dtype=base_dtype)
         if self.tokenizer is None:
             raise ValueError(f"model {cfg.model.path!r} has no tokenizer; training needs one for prompts and rewards")
         self.policy.requires_grad_(True)
-        mode = resolve_mode(cfg.model.train_compute, rollout_dtype)
         t = cfg.trainer
-        if ranks.world > 1:
+        if self.lora:
+            # the engine runs its own ordinary copy, into which every sync merges W + (alpha/r) B A (lora.py)
+            self.engine_model = copy.deepcopy(self.policy).requires_grad_(False).to(rollout_dtype)
+            add_adapters(self.policy, self.lora)
+            self.prec = Precision(self.policy, "float32")  # the base is already in its compute dtype
+            self.prec.mode = mode
+            self.ref = BaseReference(self.policy) if cfg.algo.kl_coef > 0 else None  # no second copy of the base
+        elif ranks.world > 1:
             self.engine_model = None  # the rollout holds its own model; weights reach it streamed
             self.ref = copy.deepcopy(self.policy).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
             apply_fsdp(self.policy, mode, t.offload, t.activation_checkpointing)
@@ -57,7 +68,7 @@ class Actor:
                                   self.engine_model if self.engine_model.dtype == torch.bfloat16 else None)
             self.ref = copy.deepcopy(self.prec.model).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         self.mode = mode
-        self.optimizer = make_adamw(self.policy.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
+        self.optimizer = make_adamw([p for p in self.policy.parameters() if p.requires_grad], lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
                                     betas=(0.9, 0.99))
 
     def update(self, batch: Batch, advantages: torch.Tensor, step: int, timing: dict) -> tuple[dict, str | None]:
@@ -77,16 +88,26 @@ class Actor:
     def sync_to(self, rollout) -> int:
         """The new weights into the rollout (rollout/base.py); returns the bytes moved (0 when our engine runs the
         policy or its bf16 compute copy, which the optimizer step updated in place)."""
+        if self.lora:  # the merged weights into the engine's copy, then on to an engine that takes them streamed
+            moved = merge_into(self.policy, self.engine_model)
+            return rollout.load_policy(self.engine_model) if rollout.streams_policy else moved
         if not rollout.streams_policy and (self.engine_model is self.policy or self.engine_model is self.prec.model):
             return 0
         return rollout.load_policy(self.policy)
 
     def weights(self) -> dict:
-        """The policy's tensors by name (for Ray rollout workers)."""
+        """The policy's tensors by name (for Ray rollout workers): with LoRA, the merged ones."""
+        if self.lora:
+            merge_into(self.policy, self.engine_model)
+            return self.engine_model.state_dict()
         return self.policy.state_dict()
 
     def layers(self, dtype: torch.dtype | None = None):
         """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own."""
+        if self.lora:
+            merge_into(self.policy, self.engine_model)
+            yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in self.engine_model.named_parameters()}
+            return
         if self.ranks.world == 1:
             yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in self.policy.named_parameters()}
             return
@@ -108,7 +129,16 @@ class Actor:
         return bad
 
     def write_model(self, folder: Path, final: bool) -> None:
-        """The HF export of the policy (config.json + safetensors) into folder/model."""
+        """The HF export of the policy (config.json + safetensors) into folder/model; with LoRA, the adapter in PEFT's
+        format there (and, with actor.lora.merged_export, the merged model in folder/merged at the end)."""
+        if self.lora:
+            from ...model import resolve_model_path
+            from .lora_io import save_adapter, save_merged
+
+            save_adapter(self.policy, folder / "model", self.lora, str(Path(resolve_model_path(self.cfg.model.path)).resolve()))
+            if final and self.lora.merged_export:
+                save_merged(self.policy, folder / "merged", self.tokenizer)
+            return
         save_pretrained(self.policy, folder / "model")
 
     def keeps_optimizer(self, final: bool) -> bool:
@@ -120,6 +150,10 @@ class Actor:
 
     def shapes(self) -> dict:
         """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it."""
+        if self.lora:
+            from .lora_io import adapter_state
+
+            return {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
         return {n: tuple(t.shape) for n, t in self.policy.state_dict().items()}
 
     @property
@@ -128,10 +162,15 @@ class Actor:
 
     def load(self, model_sd: dict, optimizer_sd: dict | None) -> None:
         """A one-process checkpoint's weights (HF names, tied head saved once) and optimizer state."""
-        sd = dict(model_sd)
-        if self.policy.config.tie_word_embeddings:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        self.policy.load_state_dict(sd)
+        if self.lora:
+            from .lora_io import load_adapter_state
+
+            load_adapter_state(self.policy, model_sd, "the checkpoint's adapter")
+        else:
+            sd = dict(model_sd)
+            if self.policy.config.tie_word_embeddings:
+                sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+            self.policy.load_state_dict(sd)
         self.prec.after_step()
         if optimizer_sd is not None:
             self.optimizer.load_state_dict(optimizer_sd)

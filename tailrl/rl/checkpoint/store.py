@@ -179,6 +179,8 @@ def load_checkpoint(root: Path, check=None, trust_pickled: bool = False) -> Load
                 "state is then rewritten in the new format)")
         sharded = ckpt / "dcp" if (ckpt / "dcp").is_dir() else None
         f = ckpt / "model" / "model.safetensors"
+        if not f.is_file() and (ckpt / "model" / "adapter_model.safetensors").is_file():
+            f = ckpt / "model" / "adapter_model.safetensors"  # a LoRA run's: the adapter (PEFT's names), no base
         try:
             model = {} if sharded is not None else load_file(str(f))  # sharded: the weights load from dcp/
             if pickled:
