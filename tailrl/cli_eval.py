@@ -61,7 +61,8 @@ def cmd_eval(args) -> int:
 
 def add_parser(sub) -> None:
     e = sub.add_parser("eval", help="pass@1/pass@k/maj@k of a run, checkpoint, HF folder or GGUF on held-out prompts")
-    e.add_argument("model", help="run folder (its latest checkpoint), checkpoint folder, HF folder, .gguf or known name")
+    e.add_argument("model", help="run folder (its latest checkpoint), checkpoint folder, HF folder, "
+                   ".gguf, known name or LoRA adapter folder (PEFT's; merged onto the base its config names)")
     e.add_argument("--data", default=None, help="JSONL/Parquet (verl's format too) or a built-in task (its held-out "
                    "split); default: the run's eval set, or the built-in task's held-out prompts")
     e.add_argument("--n", type=int, default=1, help="samples per prompt (pass@1 is their mean)")

@@ -135,7 +135,7 @@ def vllm_backend(args, model, tokenizer, sampling):
 def cmd_generate(args) -> int:
     from .engine import EngineConfig, SamplingParams
     from .engine.stats import GenerateStats
-    from .model import load_model
+    from .rl.actor.lora_io import is_adapter, load_any
     from .speculative.config import SpecConfig
 
     close = None
@@ -147,8 +147,11 @@ def cmd_generate(args) -> int:
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or [])
         out = check_writable(args.out)
         rows = read_prompts(args.prompts) if args.prompts else [(p, None) for p in DEFAULT_PROMPTS]
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        model, tokenizer = load_any(args.model, device=args.device, dtype=args.dtype)  # an adapter folder: merged
         if args.backend == "vllm":
+            if is_adapter(args.model):
+                raise ValueError(f"--backend vllm loads an HF folder, not the adapter folder {args.model}: write the "
+                                 "merged model (train with actor.lora.merged_export=true) and give its folder")
             generate, close = vllm_backend(args, model, tokenizer, sampling)
         else:
             config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
@@ -199,7 +202,8 @@ def cmd_generate(args) -> int:
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="sample completions for a prompts JSONL with the rollout engine")
-    g.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder or .gguf file")
+    g.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder, .gguf file or a LoRA adapter "
+                   "folder (PEFT's: its adapter_config.json names the base; merged on load)")
     g.add_argument("--prompts", help="JSONL with a 'prompt' (text or chat messages) per row; default: built-in prompts")
     g.add_argument("--out", default="out/generate.jsonl")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")

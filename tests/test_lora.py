@@ -2,6 +2,7 @@
 the reference the adapter-free base, checkpoints in PEFT's format, bad input named."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,92 @@ def test_an_adapter_for_another_base_is_refused(tiny_lm, tmp_path):
     make_tiny_checkpoint(tmp_path / "other", "llama")  # 96 words against the adapter's base's 24
     with pytest.raises(ValueError, match="trained on another base model .* vocab_size is 24 there and 96 here"):
         load_any(str(tmp_path / "adapter"))
+
+
+def _rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(tiny_chat, task_file, tmp_path_factory):
+    """Two fp32 LoRA runs of 2 steps from the same seed, speculation off and always on (history drafts)."""
+    from tailrl.rl.run import train
+
+    out = {}
+    for mode in ("off", "history"):
+        cfg = tiny_cfg(tiny_chat, task_file, tmp_path_factory.mktemp(f"lora_{mode}"), "trainer.steps=2", *LORA,
+                       "model.dtype=float32", f"rollout.spec.mode={mode}", "actor.lora.merged_export=true")
+        out[mode] = train(cfg)
+    return out
+
+
+@pytest.mark.slow
+def test_speculation_on_and_off_draw_the_same_tokens_with_lora(fp32_runs):
+    from safetensors.torch import load_file
+
+    off, on = (_rows(fp32_runs[m]) for m in ("off", "history"))
+    assert on[-1]["spec/accept_length"] > 1  # speculation ran
+    for a, b in zip(off, on):  # step 2 samples from the LoRA-updated (merged) weights
+        for key in ("response_lengths", "reward/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert a[key] == b[key], (a["step"], key)
+    wa, wb = (load_file(str(fp32_runs[m] / "checkpoints" / "step_000002" / "model" / "adapter_model.safetensors"))
+              for m in ("off", "history"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(bool(wa[k].abs().sum() > 0) for k in wa if ".lora_B." in k)  # the adapter moved
+
+
+@pytest.mark.slow
+def test_peft_loads_the_saved_adapter_and_its_greedy_tokens_equal_ours(fp32_runs, tiny_chat):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tailrl.engine import Engine, EngineConfig, SamplingParams
+    from tailrl.rl.evaluate import resolve_source
+
+    src = resolve_source(str(fp32_runs["off"]))  # a run folder: its latest checkpoint's adapter
+    adapter = src.model
+    assert json.loads((Path(adapter) / "adapter_config.json").read_text())["r"] == 4
+    hf = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32), adapter).eval()
+    ours, tok = load_any(adapter, device="cpu", dtype=torch.float32)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in ("7 + 8 =", "9 + 4 =", "a b c")]  # held out: the training prompts are "i + j =" with j = 3i mod 10
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    engine = Engine(ours, tok, EngineConfig(kv_cache_gb=0.05))
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for ids, comp in zip(prompts, got):
+        seq = torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(8):  # transformers + peft, greedy
+                seq = torch.cat([seq, hf(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            want_logits = hf(seq).logits
+            ours_logits, _ = ours.forward_full(seq)
+        assert comp.token_ids == seq[0, len(ids):].tolist()
+        assert torch.allclose(ours_logits, want_logits, atol=1e-4, rtol=1e-4)  # fp32, ~1e-6 apart in practice
+    # the merged HF export (actor.lora.merged_export) is that same model
+    from tailrl.model import load_model
+
+    merged = load_model(str(Path(adapter).parent / "merged"), device="cpu", dtype=torch.float32)[0]
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ours.state_dict().values()))
+    # and a merged adapter differs from the base: the comparison saw the adapter
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(base(seq).logits, want_logits, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_exactly(tiny_chat, task_file, tmp_path):
+    from safetensors.torch import load_file
+
+    from tailrl.rl.run import train
+
+    extra = (*LORA, "model.dtype=float32", "algo.mini_batch_size=8")
+    full = train(tiny_cfg(tiny_chat, task_file, tmp_path / "full", "trainer.steps=3", *extra))
+    part = tmp_path / "part"
+    train(tiny_cfg(tiny_chat, task_file, part, "trainer.steps=2", *extra))
+    train(tiny_cfg(tiny_chat, task_file, part, "trainer.steps=3", "trainer.resume=true", *extra))
+    a, b = _rows(full), _rows(part)
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "response_lengths"):
+        assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-6), key
+    wa, wb = (load_file(str(d / "checkpoints" / "step_000003" / "model" / "adapter_model.safetensors"))
+              for d in (full, part))
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa)

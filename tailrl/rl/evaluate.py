@@ -22,6 +22,7 @@ from math import comb
 from pathlib import Path
 
 from ..config import Config, ConfigError, load_config
+from .actor.lora_io import is_adapter, load_any
 from .checkpoint.store import candidates
 from .data import fit_prompts, load_datasets, peek_rows, read_table, to_examples
 from .rewards.builtin import accuracy_name, extract_answer
@@ -44,16 +45,22 @@ def resolve_source(path: str) -> Source:
     """A run folder (its latest checkpoint), a checkpoint folder, an HF folder, a .gguf or a known model name."""
     p = Path(path)
     if (p / "checkpoints").is_dir():
-        found = [c for c in candidates(p / "checkpoints") if (c / "model" / "config.json").is_file()]
+        found = [c for c in candidates(p / "checkpoints") if _has_model(c / "model")]
         if not found:
             raise ValueError(f"run folder {path!r} has no checkpoint yet (checkpoints/ is empty)")
         return _from_checkpoint(found[0], p, f"run {p}, checkpoint {found[0].name}")
-    if (p / "model" / "config.json").is_file() and (p / "config.json").is_file():
+    if _has_model(p / "model") and (p / "config.json").is_file():
         return _from_checkpoint(p, p.parent.parent if p.parent.name == "checkpoints" else None, f"checkpoint {p}")
     from ..model import resolve_model_path
 
-    resolve_model_path(path)  # a missing model fails before anything is read or written
+    if not is_adapter(p):  # an adapter folder (PEFT's) names its base; load_any checks it
+        resolve_model_path(path)  # a missing model fails before anything is read or written
     return Source(path, Config(), f"model {path}")
+
+
+def _has_model(folder: Path) -> bool:
+    """An HF export, or a LoRA run's adapter (PEFT's format)."""
+    return (folder / "config.json").is_file() or is_adapter(folder)
 
 
 def _from_checkpoint(ckpt: Path, run_dir: Path | None, label: str) -> Source:
@@ -130,12 +137,11 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
 
     from ..drafter.compose import make_speculator
     from ..engine import Engine, EngineConfig, SamplingParams
-    from ..model import load_model
     from .rewards.runner import RewardRunner
 
     cfg = src.cfg
     device = device or cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(src.model, device=device, dtype=cfg.model.dtype)
+    model, tokenizer = load_any(src.model, device=device, dtype=cfg.model.dtype)  # an adapter folder: merged
     if tokenizer is None:
         raise ValueError(f"model {src.model!r} has no tokenizer; evaluation needs one for prompts and rewards")
     r, d = cfg.rollout, cfg.data
