@@ -1,0 +1,167 @@
+"""LoRA against full fine-tuning: peak memory (the process's peak RSS) and the policy update's time per step, on
+SmolLM2-135M (real weights) and on Qwen2.5-1.5B's public configuration with random weights (benchmarks/models.py).
+
+Each variant runs in a process of its own (peak RSS is per process) and holds what a one-process run holds:
+- full: the fp32 master, its bf16 compute copy (which the engine also runs), AdamW's two fp32 moments and fp32
+  gradients (rl/actor/precision.py, `train_compute=bfloat16`);
+- lora-R: the frozen bf16 base, the engine's own bf16 copy (merged weights land there), fp32 adapters with their
+  moments and gradients (rl/actor/lora.py).
+The update is `policy_update` over a GRPO-shaped batch (random tokens), one AdamW step; the first update warms up,
+the time reported is the mean of the next `--repeats`.
+
+Memory guard: a variant runs only when its estimated resident size (weights, gradients and moments, computed from
+the parameter counts, plus a margin for activations) fits in MemAvailable less `--reserve-gb`; otherwise the table
+says what it would need. The machine is shared: nothing here may run it out of memory.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lora.py [--models smollm2-135m,qwen2.5-1.5b] [--ranks 8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+GB = 2**30
+
+
+def mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def model_config(name: str):
+    from benchmarks.models import RANDOM
+    from tailrl.model import ModelConfig, resolve_model_path
+    from tailrl.model.load import _load_gguf
+
+    if name in RANDOM:
+        return ModelConfig.from_hf(dict(RANDOM[name]))
+    return ModelConfig.from_hf(_load_gguf(resolve_model_path(name))[0])
+
+
+def param_counts(name: str, rank: int) -> tuple[int, int]:
+    """(base parameters, adapter parameters at this rank over every projection), from the config alone."""
+    from tailrl.model.llama import CausalLM
+
+    cfg = model_config(name)
+    with torch.device("meta"):
+        m = CausalLM(cfg)
+    base = sum(p.numel() for p in m.parameters())
+    lin = [mod for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"]
+    return base, sum(rank * (x.in_features + x.out_features) for x in lin)
+
+
+def estimate(name: str, rank: int) -> int:
+    """Bytes a variant holds: full 4 (master) + 4 (grad) + 8 (moments) + 2 (bf16 copy) + 2 (its grads) per
+    parameter; LoRA 2 (base) + 2 (engine copy) per base parameter and 16 per adapter parameter; + 1.5 GB."""
+    base, ad = param_counts(name, rank or 8)
+    return (20 * base if rank == 0 else 4 * base + 16 * ad) + int(1.5 * GB)
+
+
+def build(name: str, dtype: torch.dtype):
+    from benchmarks.models import RANDOM
+    from tailrl.model import load_model
+    from tailrl.model.llama import CausalLM
+    from tailrl.model.load import build_model
+
+    if name not in RANDOM:
+        return load_model(name, device="cpu", dtype=dtype)[0]
+    cfg = model_config(name)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.ones(s, dtype=dtype) if "norm" in k else (torch.randn(s, generator=g) * 0.02).to(dtype))
+          for k, s in shapes.items()}
+    return build_model(cfg, sd, "cpu", dtype)
+
+
+def run_one(name: str, rank: int, prompts: int, n: int, resp: tuple, micro: int, repeats: int) -> dict:
+    import copy
+
+    from benchmarks.update import fake_completions
+    from tailrl.config import AlgoCfg
+    from tailrl.rl.actor.forward import make_batch
+    from tailrl.rl.actor.lora import add_adapters
+    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.rl.actor.precision import Precision, make_adamw
+    from tailrl.rl.actor.update import policy_update
+
+    torch.manual_seed(0)
+    if rank == 0:
+        policy = build(name, torch.float32).requires_grad_(True)
+        prec = Precision(policy, "bfloat16")  # the bf16 compute copy, which the engine runs too
+        engine = prec.model
+    else:
+        policy = build(name, torch.bfloat16)
+        engine = copy.deepcopy(policy)  # the engine's own copy: merged weights land there
+        add_adapters(policy, LoraCfg(rank=rank, alpha=2 * rank))
+        prec = Precision(policy, "float32")
+        prec.mode = "bfloat16"
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    opt = make_adamw(trainable, lr=1e-5, betas=(0.9, 0.99))
+    batch = make_batch(fake_completions(policy.config.vocab_size, prompts, n, plen=(50, 70), rlen=resp), pad=0)
+    B = len(batch)
+    algo = AlgoCfg(mini_batch_size=B, micro_batch_size=micro)
+    adv = torch.randn(B, generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(1 + repeats):
+        t = time.perf_counter()
+        policy_update(prec, opt, None, batch, adv, algo, 1.0, random.Random(0), {})
+        times.append(time.perf_counter() - t)
+    del engine
+    return {"update_s": sum(times[1:]) / repeats, "warmup_s": times[0], "tokens": batch.tokens, "seqs": B,
+            "trainable": sum(p.numel() for p in trainable), "params": sum(p.numel() for p in policy.parameters()),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
+    ap.add_argument("--ranks", default="8,64")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--reserve-gb", type=float, default=3.0, help="memory left to the machine's other users")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # name:rank:prompts:n:rlo:rhi:micro (child)
+    args = ap.parse_args()
+    if args.one:
+        name, rank, p, n, lo, hi, micro = args.one.split(":")
+        print(json.dumps(run_one(name, int(rank), int(p), int(n), (int(lo), int(hi)), int(micro), args.repeats)))
+        return
+    shapes = {"smollm2-135m": (4, 8, 30, 200, 8), "qwen2.5-1.5b": (1, 4, 30, 90, 4)}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; update = policy_update over one batch, "
+          "one AdamW step; peak RSS of the variant's own process")
+    print(f"{'model':<14} {'variant':<8} {'trainable':>11} {'batch':>12} {'update s':>9} {'vs full':>8} "
+          f"{'peak RSS GB':>12} {'est. GB':>8}")
+    for name in args.models.split(","):
+        p, n, lo, hi, micro = shapes.get(name, (2, 4, 30, 120, 4))
+        full_s = None
+        for rank in [0] + [int(r) for r in args.ranks.split(",")]:
+            label = "full" if rank == 0 else f"lora-{rank}"
+            need, avail = estimate(name, rank), mem_available()
+            if need > avail - args.reserve_gb * GB:
+                print(f"{name:<14} {label:<8} {'':>11} {'':>12} {'-':>9} {'':>8} {'not run':>12} {need / GB:>8.1f}"
+                      f"   (needs ~{need / GB:.1f} GB; {avail / GB:.1f} GB available, {args.reserve_gb:g} kept free)")
+                continue
+            out = subprocess.run([sys.executable, __file__, "--one", f"{name}:{rank}:{p}:{n}:{lo}:{hi}:{micro}",
+                                  "--repeats", str(args.repeats)], capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"{name:<14} {label:<8} failed: {out.stderr.strip().splitlines()[-1:]}")
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            full_s = r["update_s"] if rank == 0 else full_s
+            ratio = f"{full_s / r['update_s']:.2f}x" if full_s else "-"
+            print(f"{name:<14} {label:<8} {r['trainable'] / 1e6:>10.2f}M {r['seqs']:>3} x {r['tokens']:>5}t "
+                  f"{r['update_s']:>9.2f} {ratio:>8} {r['peak_rss_gb']:>12.2f} {need / GB:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
