@@ -31,7 +31,7 @@ def test_chunked_head_equals_full_logits_values_and_gradients(chunk):
     w = (torch.randn(50, 16) * 0.5).requires_grad_()
     y = torch.randint(0, 50, (37,))
     g_lp, g_ent = torch.randn(37), torch.randn(37)
-    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=chunk)
+    lp, ent = head_logprobs(h, w, y, 0.7, chunk=chunk)
     (lp @ g_lp + ent @ g_ent).backward()
     got = (lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
     h.grad = w.grad = None
@@ -219,7 +219,7 @@ def test_chunked_head_gradient_without_the_entropy_term():
     w = (torch.randn(50, 16) * 0.5).requires_grad_()
     y = torch.randint(0, 50, (29,))
     g = torch.randn(29)
-    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=8)
+    lp, ent = head_logprobs(h, w, y, 0.7, chunk=8)
     (lp @ g).backward()
     got = (h.grad.clone(), w.grad.clone())
     h.grad = w.grad = None

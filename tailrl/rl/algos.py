@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from ..engine.sampler import warp_mask
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_KINDS = ("k1", "k3")
 
@@ -135,9 +137,22 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of tokens [B, T] under logits [B, T, V] / temperature, and the entropy per position."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of tokens [B, T] under logits [B, T, V] / temperature, then top-k, then top-p (the
+    sampler's `warp_mask`, each token kept in its own row's support), and the entropy per position: the full-logits
+    reference of the update's chunked head (rl/actor/logprobs.py, which says why the trainer warps)."""
+    x = logits.float() / temperature
+    drop = None
+    if top_k > 0 or top_p < 1:
+        rows = x.reshape(-1, x.shape[-1])
+        n = len(rows)
+        drop = warp_mask(rows, torch.full((n,), top_k) if top_k > 0 else None,
+                         torch.full((n,), float(top_p)) if top_p < 1 else None).view(x.shape)
+        drop.scatter_(-1, tokens.unsqueeze(-1), False)
+        x = x.masked_fill(drop, float("-inf"))
+    logp_all = torch.log_softmax(x, dim=-1)
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()
+    entropy = -(p * (logp_all if drop is None else logp_all.masked_fill(drop, 0.0))).sum(-1)
     return logp, entropy

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logprobs import CHUNK_ROWS, head_logprobs
+from .logprobs import CHUNK_ROWS, Warp, head_logprobs
 from .packing import group_keys, layout, packed_len, segments, token_segments
 
 
@@ -100,9 +100,10 @@ def autocast_ctx(model, enabled: bool):
     return torch.autocast(device_type=model.device.type, dtype=torch.bfloat16)
 
 
-def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, autocast: bool = False,
+def sequence_logprobs(model, batch: Batch, idx: list[int], warp: Warp | float, autocast: bool = False,
                       chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask);
+    """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask) under the
+    sampling distribution `warp` (logprobs.py: temperature, top-k, top-p; a float is a temperature alone);
     differentiable when grad is enabled."""
     dev = model.device
     T = batch.mask.shape[1]
@@ -110,13 +111,13 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
     with autocast_ctx(model, autocast):
         hidden = model.forward_shared(lay.tokens, lay.positions, lay.shared)  # the body only: rows go to the head
     h = hidden[lay.rows]
-    lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, temperature, chunk,
+    lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, warp, chunk,
                             torch.bfloat16 if autocast else None)
     zeros = torch.zeros(len(idx) * T, device=dev)
     return zeros.scatter(0, lay.cols, lp).view(-1, T), zeros.scatter(0, lay.cols, ent).view(-1, T)
 
 
-def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False,
+def no_grad_logprobs(model, batch: Batch, micro: int, warp: Warp | float, autocast: bool = False,
                      idx: list[int] | None = None, tokens: int = 0) -> torch.Tensor:
     """Logprobs without a graph (old or reference logprobs): [B, T] of the whole batch, or [len(idx), T] of the
     sequences idx, in micro-batches of `micro` sequences or `tokens` packed tokens (`micro_batches`)."""
@@ -125,5 +126,5 @@ def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autoca
     out = torch.zeros(len(idx), batch.mask.shape[1])
     with torch.inference_mode():
         for ids in micro_batches(batch, idx, micro, tokens):
-            out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+            out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, warp, autocast)[0].to(out.device)
     return out

@@ -25,6 +25,7 @@ import torch
 
 from ..algos import POLICY_LOSSES, aggregate, kl_penalty
 from .forward import Batch, sequence_logprobs
+from .logprobs import Warp
 from .packing import packed_tokens, segments
 from .precision import Precision
 from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, reshard, shared_logprobs
@@ -69,9 +70,11 @@ def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.R
     return minis, live
 
 
-def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, temperature: float,
+def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, warp: Warp | float,
                   rng: random.Random, timing: dict, ranks: Ranks = SINGLE) -> tuple[dict, str | None]:
-    """prec: the fp32 master (the optimizer's parameters) and the module that computes (precision.py); ref: a
+    """warp: the rollout's sampling distribution (temperature, top-k, top-p: logprobs.py), under which every
+    logprob here is computed, the reference's too (so its KL is 0 at the reference policy); prec: the fp32 master
+    (the optimizer's parameters) and the module that computes (precision.py); ref: a
     frozen reference module or None; ranks: this trainer rank among N data-parallel ones (ranks.py: each computes
     whole groups of every mini-batch, and every rank returns the same metrics and takes the same decision).
     Returns the step's actor metrics and, when no optimizer step was taken, why.
@@ -93,11 +96,11 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     if len(minis) > 1:
         need = [i for i in live_rows if i not in first]
         if need:
-            old_rest = shared_logprobs(ranks, policy, batch, a.micro_batch_size, temperature, autocast, need,
+            old_rest = shared_logprobs(ranks, policy, batch, a.micro_batch_size, warp, autocast, need,
                                        a.micro_batch_tokens)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref_lp = (shared_logprobs(ranks, ref, batch, a.micro_batch_size, temperature, autocast, list(range(B)),
+    ref_lp = (shared_logprobs(ranks, ref, batch, a.micro_batch_size, warp, autocast, list(range(B)),
                               a.micro_batch_tokens) if ref is not None else None)
     timing["timing_s/ref"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -114,10 +117,10 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
         step = dict.fromkeys(sums, 0.0)
         for micro in rank_micros(ranks, batch, rows, a.micro_batch_size, a.micro_batch_tokens):
             if micro is None:  # this rank has fewer micro-batches than another: a pass that adds 0 (ranks.py)
-                padding_pass(policy, batch, temperature, autocast, grad=True)
+                padding_pass(policy, batch, warp, autocast, grad=True)
                 continue
             m = mask[micro].to(policy.device)
-            logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
+            logp, ent = sequence_logprobs(policy, batch, micro, warp, autocast)
             computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
             if k == 0:
                 old[micro] = logp.detach().to(old.device)
