@@ -51,6 +51,18 @@ def test_micro_batches_group_lengths_and_cover_every_sequence():
     assert lens == sorted(lens, reverse=True)
 
 
+def test_a_completion_without_a_logprob_per_token_is_an_error_not_zeros():
+    """A rollout that reports fewer (or no) logprobs than tokens: the batch refuses it, naming the completion (a
+    0 would read as log p = 0 and set the TIS weight to min(p, cap))."""
+    cs = comps(n=3)
+    cs[1].logprobs = cs[1].logprobs[:-1]
+    with pytest.raises(ValueError, match=r"completion 1 of the batch has \d+ rollout logprobs for its \d+ tokens"):
+        make_batch(cs, pad=0)
+    cs[1].logprobs = []
+    with pytest.raises(ValueError, match="completion 1 of the batch has 0 rollout logprobs"):
+        make_batch(cs, pad=0)
+
+
 def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
     """Values and the gradient of a PPO loss: micro-batches of 3 (head in chunks of 4 rows) against one padded
     full-logits forward over the whole batch."""

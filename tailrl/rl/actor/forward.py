@@ -46,7 +46,8 @@ class Batch:
 
 
 def make_batch(comps, pad: int) -> Batch:
-    """comps: completions that all have a prompt (rejected requests are left out before)."""
+    """comps: completions that all have a prompt (rejected requests are left out before) and a logprob per token
+    (a missing one is an error, never a silent 0)."""
     seqs = [c.prompt_token_ids + c.token_ids for c in comps]
     plens = [len(c.prompt_token_ids) for c in comps]
     start = min(plens) - 1  # first position whose logits predict a response token
@@ -55,14 +56,18 @@ def make_batch(comps, pad: int) -> Batch:
     for i, c in enumerate(comps):
         p, n = plens[i] - 1 - start, len(c.token_ids)
         mask[i, p : p + n] = 1.0
-        if len(c.logprobs) == n:
-            rollout[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        if len(c.logprobs) != n:  # a 0 would pass for log p = 0: TIS weights min(p, cap), a logprob_diff of -log p
+            raise ValueError(f"completion {i} of the batch has {len(c.logprobs)} rollout logprobs for its {n} tokens: "
+                             "the rollout must report the logprob of every token it drew (the update's importance "
+                             "weights and rollout/logprob_diff compare them with the trainer's)")
+        rollout[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
     return Batch(seqs, plens, mask, rollout, start, pad)
 
 
 def mask_truncated(batch: Batch, advantages: torch.Tensor, truncated: list[bool]) -> torch.Tensor:
     """DAPO's overlong filtering (TRL's `mask_truncated_completions`): a response cut at the length cap leaves the
-    loss. Its mask row is zeroed, so the token-mean normalisers do not count it, and its advantage becomes 0, so
+    loss. Its mask row is zeroed, so no normaliser counts it (token-mean's tokens, the seq-means' sequences:
+    algos.aggregate), and its advantage becomes 0, so
     `update_plan` does not compute it. Returns the advantages; the group's mean and std keep its reward, as in DAPO."""
     cut = torch.tensor(truncated, dtype=torch.bool)
     batch.mask[cut] = 0.0
