@@ -89,7 +89,7 @@ def test_seq_means_leave_truncated_responses_out_of_the_count(tiny, agg):
     batch without it (verl leaves fully masked rows out of the sequence count), not that one scaled by kept/total."""
     all_comps, cut = comps(seed=11, n=8), [False, True, False, False, True, False, False, False]
     kept = [c for c, x in zip(all_comps, cut) if not x]
-    algo = AlgoCfg(loss_agg=agg, mini_batch_size=8, micro_batch_size=3)
+    algo = AlgoCfg(loss_agg=agg, mini_batch_size=8, micro_batch_size=3, grad_clip=1e6)  # unclipped: scale shows
     whole = make_batch(all_comps, pad=0)
     adv = mask_truncated(whole, ADV, cut)
     without = make_batch(kept, pad=0)
