@@ -110,7 +110,7 @@ class AlgoCfg:
     # auto: each loss's own (token-mean; gspo: seq-mean-token-mean, its paper's and verl's) | token-mean |
     # seq-mean-token-mean | seq-mean-token-sum (the seq-means count only sequences with a token on the mask)
     loss_agg: str = "auto"
-    clip_ratio_c: float = 0.0  # dual-clip PPO (verl's clip_ratio_c, e.g. 3): loss <= -A * c where A < 0; 0 = off
+    clip_ratio_c: float = 0.0  # dual-clip PPO (verl's clip_ratio_c, 3 there): loss <= -A * c where A < 0; 0 = off
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "k3"  # k1 | k3
     ppo_epochs: int = 1  # passes over each rollout batch
