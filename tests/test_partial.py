@@ -248,7 +248,8 @@ def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tm
     """Each round asks the partial rollout for the informative groups still missing; the update gets them."""
     out = tmp_path / "run"
     train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, "trainer.steps=3", "algo.dynamic_sampling=true",
-                   "reward.functions=[tests.test_dynamic:odd_prompts_only]", "trainer.prompts_per_step=2"))
+                   "reward.functions=[tests.test_dynamic:odd_prompts_only]", "algo.filter_metric=reward",
+                   "trainer.prompts_per_step=2"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["rollout/informative_groups"] == 2 for r in rows)
     assert any(r["rollout/filtered_groups"] > 0 for r in rows)  # groups of even prompts score all 0
