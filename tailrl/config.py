@@ -26,8 +26,9 @@ PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl
 class ModelCfg:
     path: str = "smollm2-135m"  # known name, HF folder or .gguf
     device: str | None = None  # None: cuda if present, else cpu
-    # the rollout engine's weights: auto = bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32. The
-    # trainer keeps fp32 master weights and fp32 Adam state whatever this is.
+    # the rollout engine's weights: auto = bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX (unless ONEDNN_MAX_CPU_ISA
+    # caps oneDNN below AVX512_CORE_BF16), else fp32. The trainer keeps fp32 master weights and fp32 Adam state
+    # whatever this is.
     dtype: str = "auto"
     # where the update's forward/backward runs: auto = a bf16 copy of the weights when the engine runs bf16 (the
     # fastest here, benchmarks/update.py), else fp32; float32 | autocast (bf16 autocast over fp32) | bfloat16
@@ -135,7 +136,8 @@ class AlgoCfg:
     mask_truncated: bool = False
     # DAPO's dynamic sampling (verl's filter_groups): a group whose samples do not differ in filter_metric leaves the
     # batch, and rounds of trainer.prompts_per_step more prompts run until that many informative groups are in hand
-    # or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups)
+    # or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups,
+    # rollout/round_limit)
     dynamic_sampling: bool = False
     filter_metric: str = "acc"  # acc (DAPO's, verl's metric=acc: reward.accuracy's verifier) | reward (the total)
     max_gen_rounds: int = 4  # dynamic sampling's rounds per step at most (each costs a rollout)

@@ -39,6 +39,17 @@ def test_gathered_keeps_whole_informative_groups_up_to_the_batch_and_relabels_pr
     m = got.metrics()
     assert m["rollout/gen_rounds"] == 2 and m["rollout/filtered_groups"] == 3 and m["rollout/surplus_groups"] == 1
     assert m["rollout/informative_groups"] == 2
+    assert m["rollout/round_limit"] == 0.0
+
+
+def test_a_round_limit_reached_short_of_the_batch_is_reported():
+    got = Gathered(2, want=2)
+    for _ in range(3):  # the trainer's loop ran out of rounds with one informative group in hand
+        got.add(["p0"], [comp(0, s) for s in range(2)], torch.tensor([0.0, 0.0]), [False] * 2)
+    got.add(["p0"], [comp(0, s) for s in range(2)], torch.tensor([0.0, 1.0]), [False, True])
+    m = got.metrics()
+    assert m["rollout/round_limit"] == 1.0 and m["rollout/informative_groups"] == 1 and len(got.comps) == 2
+    assert "rollout/round_limit" not in Gathered(2, want=0).metrics()  # dynamic sampling off: no rounds to run out
 
 
 def test_the_filter_compares_accuracy_by_default_and_total_rewards_when_asked():
@@ -94,9 +105,19 @@ def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def check_rounds(r: dict, want: int, max_rounds: int) -> None:
+    """What dynamic sampling guarantees of a step on every CPU, whatever its draws: the update holds at most `want`
+    informative groups, and fewer only when the rounds ran out, which the step reports (rollout/round_limit)."""
+    kept, limit = r["rollout/informative_groups"], r["rollout/round_limit"]
+    assert 0 <= kept <= want and 1 <= r["rollout/gen_rounds"] <= max_rounds, r
+    assert limit == float(kept < want), r
+    assert not limit or r["rollout/gen_rounds"] == max_rounds, r
+    assert ("actor/pg_loss" in r) == (kept > 0), r  # the update trains on the groups found, and on none without one
+
+
 # a shaped reward the accuracy verifier cannot judge: dynamic sampling filters on its total
-DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.test_dynamic:odd_prompts_only]", "algo.filter_metric=reward",
-      "algo.mini_batch_size=8", "trainer.prompts_per_step=2", "rollout.n=4", "algo.max_gen_rounds=4")
+DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.test_dynamic:odd_prompts_only]", "algo.mini_batch_size=8",
+      "trainer.prompts_per_step=2", "rollout.n=4", "algo.max_gen_rounds=4", "algo.filter_metric=reward")
 
 
 @pytest.mark.slow
@@ -104,9 +125,9 @@ def test_dynamic_sampling_fills_the_batch_and_resumes_exactly(tiny_chat, task_fi
     full, part = tmp_path / "full", tmp_path / "part"
     train(tiny_cfg(tiny_chat, task_file, full, *DS, "trainer.steps=3"))
     rows = _rows(full)
-    for r in rows:  # every step trained on 2 informative groups, and the filtered ones are counted
-        assert r["rollout/informative_groups"] == 2, r
-        assert r["rollout/gen_rounds"] >= 1 and r["rollout/filtered_groups"] >= 0
+    for r in rows:  # every step trained on its 2 informative groups, or on those found when the rounds ran out
+        check_rounds(r, 2, 4)
+        assert r["rollout/filtered_groups"] >= 0
     assert sum(r["rollout/gen_rounds"] for r in rows) > 3  # half the prompts give equal rewards: rounds were added
     assert sum(r["rollout/filtered_groups"] for r in rows) >= 1
     train(tiny_cfg(tiny_chat, task_file, part, *DS, "trainer.steps=2"))
@@ -128,5 +149,5 @@ def test_dynamic_sampling_stops_at_max_gen_rounds_without_an_update(tiny_chat, t
     assert len(rows) == 4
     for r in rows:
         assert r["rollout/gen_rounds"] == 3 and r["rollout/filtered_groups"] == 6
-        assert r["rollout/informative_groups"] == 0 and "actor/pg_loss" not in r
+        assert r["rollout/informative_groups"] == 0 and "actor/pg_loss" not in r and r["rollout/round_limit"] == 1.0
         assert len(r["response_lengths"]) == 3 * 2 * 4  # every round's samples are in the lengths

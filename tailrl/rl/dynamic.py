@@ -21,9 +21,8 @@ import torch
 
 # reward metrics that count events (summed over rounds); the rest are means over samples (weighted by their count)
 _SUMMED = ("reward/errors", "reward/timeouts", "reward/invalid", "rollout/rejected", "rollout/preemptions",
-           "timing_s/sync", "rollout/partial_launched", "rollout/partial_carried", "rollout/partial_restarted",
-           "rollout/offpolicy_responses")
-_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running", "rollout/staleness_max", "rollout/partial_horizon")
+           "timing_s/sync", "rollout/partial_launched", "rollout/partial_carried", "rollout/partial_restarted")
+_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running", "rollout/partial_horizon")
 
 
 def informative(values: torch.Tensor, group_size: int) -> list[bool]:
@@ -96,6 +95,8 @@ class Gathered:
             out["rollout/surplus_groups"] = self.surplus
         out["rollout/informative_groups"] = len(self.examples) if self.want else sum(
             informative(torch.tensor(self.rewards), self.group_size)) if self.rewards else 0
+        if self.want:  # 1: the rounds ran out (algo.max_gen_rounds) short of `want` groups; the update took fewer
+            out["rollout/round_limit"] = float(not self.full)
         return out
 
 

@@ -33,7 +33,7 @@ from .rewards.rewarder import Rewarder
 from .rollout.base import Rollout
 from .rollout.base import step_seed
 from .rollout.engine import make_rollout
-from .partial import Horizon, PartialBuffer, launch_count, version_runs
+from .partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -144,6 +144,8 @@ class Trainer:
         self.samples, self.skip_reason = [], None
         got = self._rollout(timing)
         metrics.update(got.metrics())
+        if self.partial is not None:  # over the trained tokens, whichever round (or the buffer) gave them
+            metrics.update(staleness(got.comps, self.step))
         self.phase = ("update", time.perf_counter())
         self.rollout.sleep()
         if got.comps:
@@ -229,7 +231,7 @@ class Trainer:
             m = self.rollout.metrics()
         tokens = buf.counts["drawn"]
         groups = buf.take(need)
-        m.update(buf.metrics(groups, v, stop))
+        m.update(buf.metrics(stop))
         examples = [self.train_set[g.index] for g in groups]
         comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j,
                                      stats={**resp.comp.stats, "policy_versions": version_runs(resp.versions)})
