@@ -255,7 +255,6 @@ class Config:
             (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
             (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried "
              "response restarts)"),
-            (not (self.actor.lora.rank and self.trainer.world_size > 1), "actor.lora.rank", "0 with trainer.world_size > 1 (LoRA trains at one trainer rank for now)"),
             (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
