@@ -29,6 +29,7 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
 
     cfg, r, t, d = trainer.cfg, trainer.cfg.rollout, trainer.cfg.trainer, trainer.cfg.data
     params = sum(p.numel() for p in trainer.policy.parameters())
+    trainable = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
     device = next(trainer.policy.parameters()).device
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     source = d.train_file + (f" (eval: {d.eval_file})" if d.eval_file else "") if d.train_file else (
@@ -37,7 +38,9 @@ def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[
         ("model", f"{cfg.model.path} ({_count(params)} parameters)"),
         ("precision", f"engine {_dtype(trainer.rollout.dtype)}"
                       + (" (batch-invariant)" if trainer.rollout.batch_invariant else "")
-                      + f"; trainer fp32 master + AdamW, compute {trainer.actor.mode}"
+                      + (f"; trainer fp32 master + AdamW, compute {trainer.actor.mode}" if not cfg.actor.lora.rank else
+                         f"; trainer LoRA rank {cfg.actor.lora.rank} (fp32 adapters + AdamW, {_count(trainable)} "
+                         f"trained), frozen base in {trainer.actor.mode}")
                       + (f", {t.world_size} ranks (FSDP2)" if t.world_size > 1 else "")),
         ("device", f"{device}{threads}"),
         ("data", f"{source}: {len(trainer.train_set)} train / {len(trainer.eval_set)} eval prompts"),
