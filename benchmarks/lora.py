@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
     ap.add_argument("--ranks", default="8,64")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--reserve-gb", type=float, default=3.0, help="memory left to the machine's other users")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # name:rank:prompts:n:rlo:rhi:micro (child)
     args = ap.parse_args()
@@ -136,7 +136,7 @@ def main() -> None:
         name, rank, p, n, lo, hi, micro = args.one.split(":")
         print(json.dumps(run_one(name, int(rank), int(p), int(n), (int(lo), int(hi)), int(micro), args.repeats)))
         return
-    shapes = {"smollm2-135m": (4, 8, 30, 200, 8), "qwen2.5-1.5b": (1, 4, 30, 90, 4)}
+    shapes = {"smollm2-135m": (2, 8, 30, 100, 8), "qwen2.5-1.5b": (1, 2, 30, 60, 2)}  # prompts, n, resp lo-hi, micro
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; update = policy_update over one batch, "
           "one AdamW step; peak RSS of the variant's own process")
     print(f"{'model':<14} {'variant':<8} {'trainable':>11} {'batch':>12} {'update s':>9} {'vs full':>8} "

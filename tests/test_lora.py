@@ -197,6 +197,16 @@ def test_peft_loads_the_saved_adapter_and_its_greedy_tokens_equal_ours(fp32_runs
 
     merged = load_model(str(Path(adapter).parent / "merged"), device="cpu", dtype=torch.float32)[0]
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ours.state_dict().values()))
+    # `tailrl generate` on the adapter folder: greedy, the same tokens as above
+    from tailrl.cli import main
+
+    (Path(adapter).parent / "p.jsonl").write_text(json.dumps({"prompt": "7 + 8 ="}) + "\n")
+    out = Path(adapter).parent / "gen.jsonl"
+    assert main(["generate", "--model", adapter, "--prompts", str(Path(adapter).parent / "p.jsonl"), "--out", str(out),
+                 "--max-tokens", "8", "--temperature", "0", "--dtype", "float32", "--spec", "off", "--kv-cache-gb",
+                 "0.05", "--quiet"]) == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["token_ids"] == got[0].token_ids[:len(row["token_ids"])]  # generate stops at EOS; ours ignored it
     # and a merged adapter differs from the base: the comparison saw the adapter
     base = AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32)
     with torch.no_grad():
