@@ -85,8 +85,26 @@ def build(name: str, dtype: torch.dtype):
     return build_model(cfg, sd, "cpu", dtype)
 
 
+def watchdog(floor_gb: float = 1.0) -> None:
+    """Exits this process (status 3) the moment the machine's MemAvailable falls under floor_gb: a variant that
+    grows past its estimate stops itself before the machine runs out of memory."""
+    import os
+    import threading
+
+    def watch():
+        while True:
+            if mem_available() < floor_gb * GB:
+                print(f"stopped: MemAvailable under {floor_gb} GB", file=sys.stderr, flush=True)
+                os._exit(3)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def run_one(name: str, rank: int, prompts: int, n: int, resp: tuple, micro: int, repeats: int) -> dict:
     import copy
+
+    watchdog()
 
     from benchmarks.update import fake_completions
     from tailrl.config import AlgoCfg

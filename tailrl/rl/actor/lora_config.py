@@ -11,10 +11,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 @dataclass
 class LoraCfg:
-    # LoRA (Hu et al. 2021): W + (alpha / rank) * B @ A on the target layers, the base frozen. 0 = off (full
-    # fine-tuning). LoRA wants about 10x the full fine-tuning learning rate ("LoRA Without Regret", Schulman et al.
-    # 2025; verl's advice too): with the default algo.lr=3e-5, try algo.lr=3e-4. Ranks 8-64 match full
-    # fine-tuning for outcome-reward RL there.
+    # LoRA's rank: 0 = off (full fine-tuning); > 0 trains W + (alpha / rank) B A on the target layers, W frozen
+    # (Hu et al 2021); LoRA wants ~10x the full fine-tuning lr (with the default 3e-5, try algo.lr=3e-4; "LoRA
+    # Without Regret", Schulman et al 2025, and verl say so); ranks 8-64 match full fine-tuning for outcome-reward RL
     rank: int = 0
     alpha: float = 32.0  # the adapter's scale is alpha / rank (PEFT's lora_alpha)
     # module names adapted (PEFT's target_modules: a layer whose name ends with one of them); default: every
