@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
     ap.add_argument("--ranks", default="8,64")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-full", action="store_true", help="the LoRA ranks only")
     ap.add_argument("--reserve-gb", type=float, default=3.0, help="memory left to the machine's other users")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # name:rank:prompts:n:rlo:rhi:micro (child)
     args = ap.parse_args()
@@ -162,7 +163,7 @@ def main() -> None:
     for name in args.models.split(","):
         p, n, lo, hi, micro = shapes.get(name, (2, 4, 30, 120, 4))
         full_s = None
-        for rank in [0] + [int(r) for r in args.ranks.split(",")]:
+        for rank in ([] if args.no_full else [0]) + [int(r) for r in args.ranks.split(",")]:
             label = "full" if rank == 0 else f"lora-{rank}"
             need, avail = estimate(name, rank), mem_available()
             if need > avail - args.reserve_gb * GB:

@@ -1,4 +1,5 @@
-"""RL checkpoints: `run/checkpoints/step_NNNNNN/` with the policy (HF safetensors), the trainer state (optimizer,
+"""RL checkpoints: `run/checkpoints/step_NNNNNN/` with the policy (HF safetensors; a LoRA run: its adapter in PEFT's
+format, rl/actor/lora_io.py), the trainer state (optimizer,
 RNG, step, data position, history index, drafter trainer: trainer_state.json + trainer_state.safetensors, see
 state_io.py), the config and the learned drafter head. A run of N trainer ranks also writes `dcp/`: the ranks'
 shards of the fp32 weights and AdamW's moments (sharded_io.py), which any world size resumes from; its `model/`
