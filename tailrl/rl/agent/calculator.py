@@ -42,7 +42,7 @@ def calculator(expression: str) -> str:
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ToolError(f"not an arithmetic expression: {text!r}") from None
+        raise ToolError(f"not an arithmetic expression: {text[:80]!r}") from None
     try:
         value = _eval(tree.body)
     except RecursionError:
