@@ -17,12 +17,21 @@ import ast, builtins, ctypes, linecache, traceback
 uid, gid = os.getuid(), os.getgid()
 if uid == 0:
     # nobody may not read the interpreter's stdlib (say, under /root): keep it open and import through the fds
-    paths = []
+    moved = {}
     for d in sys.path:
         if os.path.isdir(d):
-            paths.append("/proc/self/fd/%d" % os.open(d, os.O_RDONLY | os.O_DIRECTORY))
-    sys.path[:] = paths
+            moved[d] = "/proc/self/fd/%d" % os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    sys.path[:] = list(moved.values())
     sys.path_importer_cache.clear()
+
+    def _moved(p):
+        for d, fd in moved.items():
+            if p == d or p.startswith(d + os.sep):
+                return fd + p[len(d):]
+        return p
+    for m in list(sys.modules.values()):  # packages already imported (encodings, ctypes) find submodules there too
+        if isinstance(getattr(m, "__path__", None), list):
+            m.__path__[:] = [_moved(p) for p in m.__path__]
     os.setgroups([]); os.setresgid(cfg["nobody"], cfg["nobody"], cfg["nobody"])
     os.setresuid(cfg["nobody"], cfg["nobody"], cfg["nobody"])
     uid = gid = cfg["nobody"]; iso["user"] = "nobody"
