@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from tailrl.rl.agent.pool import ToolCall, ToolPool
-from tailrl.rl.agent.sandbox import SandboxLimits, describe, python, run_sandboxed
+from tailrl.rl.agent.sandbox import SandboxLimits, describe, make_python_tool, python, run_sandboxed
 from tailrl.rl.agent.tools import load_tools
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=2, max_processes=8)
@@ -143,3 +143,12 @@ def test_python_tool_through_the_pool():
                                 ToolCall("python", {"code": "1/0"})]).result(timeout=60)
     assert r[0].status == "ok" and r[0].text == f"{2**100}\n"
     assert r[1].status == "ok" and "ZeroDivisionError" in r[1].text and r[1].text.endswith("[exit code 1]")
+
+
+def test_sandbox_timeout_is_a_pool_timeout_with_the_output():
+    tools = {"python": make_python_tool(SandboxLimits(wall_s=1.0))}
+    assert tools["python"].schema == load_tools(["python"])["python"].schema
+    with ToolPool(timeout_s=30) as pool:
+        r = pool.submit(tools, [ToolCall("python", {"code": "print('started')\nimport time\ntime.sleep(30)"})])
+        (result,) = r.result(timeout=60)
+    assert result.status == "timeout" and result.text == "started\n[killed: wall-clock limit of 1 s]"

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tailrl.rl.agent.tools import Tool, ToolError
+from tailrl.rl.agent.tools import Tool, ToolError, ToolTimeout
 
 STATUSES = ("ok", "error", "timeout", "unknown_tool", "bad_arguments", "malformed")
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -200,6 +200,8 @@ class ToolPool:
                     box["value"] = asyncio.run(asyncio.wait_for(tool.fn(**arguments), self.timeout_s))
                 else:
                     box["value"] = tool.fn(**arguments)
+            except ToolTimeout as e:
+                box["own_timeout"] = e
             except (asyncio.TimeoutError, TimeoutError) as e:
                 box["timeout"] = e
             except BaseException as e:
@@ -217,6 +219,8 @@ class ToolPool:
             return ToolResult(f"error: tool {tool.name} timed out after {self.timeout_s:g} s", "timeout", seconds)
         if "timeout" in box:
             return ToolResult(f"error: tool {tool.name} timed out after {self.timeout_s:g} s", "timeout", seconds)
+        if "own_timeout" in box:
+            return ToolResult(str(box["own_timeout"]), "timeout", seconds)
         if "error" in box:
             return ToolResult(error_text(box["error"]), "error", seconds)
         return ToolResult(to_text(box.get("value")), "ok", seconds)

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from tailrl.rl.agent.sandbox_boot import SOURCE
+from tailrl.rl.agent.tools import ToolTimeout
 
 NOBODY = 65534
 
@@ -203,8 +204,25 @@ def python(code: str) -> str:
     Args:
         code: Python source code (standard library only), e.g. "print(sum(range(10)))".
     """
-    limits = DEFAULT_LIMITS
-    return describe(run_sandboxed(code, limits), limits)
+    return _python(code, DEFAULT_LIMITS)
+
+
+def make_python_tool(limits: SandboxLimits):
+    """The `python` tool with other limits (same name, schema and docstring)."""
+    from tailrl.rl.agent.tools import make_tool
+
+    def python(code: str) -> str:
+        return _python(code, limits)
+    python.__doc__ = globals()["python"].__doc__
+    return make_tool(python, name="python")
+
+
+def _python(code: str, limits: SandboxLimits) -> str:
+    result = run_sandboxed(code, limits)
+    text = describe(result, limits)
+    if result.timed_out or result.signal == signal.SIGXCPU:
+        raise ToolTimeout(text)  # the pool counts it as a timeout; the model still reads the output and the note
+    return text
 
 
 DEFAULT_LIMITS = SandboxLimits()

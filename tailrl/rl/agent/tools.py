@@ -23,6 +23,10 @@ class ToolError(Exception):
     """Raised by a tool for an error the model should read: the pool returns `error: <message>` (status "error")."""
 
 
+class ToolTimeout(ToolError):
+    """Raised by a tool that ran out of its own time limit: the pool returns the message as it is (status "timeout")."""
+
+
 @dataclass
 class Tool:
     name: str
