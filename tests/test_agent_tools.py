@@ -179,7 +179,7 @@ def test_pool_runs_calls_concurrently_and_keeps_call_order():
     log, lock = [], threading.Lock()
     tools = {"nap": _record_tool(log, lock)}
     with ToolPool(max_parallel_calls=8, timeout_s=10) as pool:
-        calls = [ToolCall("nap", {"seconds": s, "label": str(i)}) for i, s in enumerate([0.4, 0.3, 0.2, 0.1])]
+        calls = [ToolCall("nap", {"seconds": s, "label": str(i)}) for i, s in enumerate([0.6, 0.5, 0.4, 0.3])]
         future = pool.submit(tools, calls)
         assert not future.done()  # submit does not wait for the tools
         results = future.result(timeout=10)
@@ -259,11 +259,11 @@ def test_pool_timeouts_sync_hang_is_abandoned_and_async_is_cancelled():
 
     tools = {"hang": make_tool(hang), "slow": make_tool(slow), "alookup": make_tool(alookup)}
     try:
-        with ToolPool(max_parallel_calls=1, timeout_s=0.3) as pool:
+        with ToolPool(max_parallel_calls=1, timeout_s=0.5) as pool:
             r = pool.submit(tools, [ToolCall("hang", {"x": 1}), ToolCall("slow", {"x": 2}),
                                     ToolCall("alookup", {"key": "ok"})]).result(timeout=20)
             assert [x.status for x in r] == ["timeout", "timeout", "ok"] and r[2].text == "OK"
-            assert "timed out after 0.3 s" in r[0].text and cancelled == [2]
+            assert "timed out after 0.5 s" in r[0].text and cancelled == [2]
             assert pool.abandoned == 1 and pool.hung_threads == 1
             # the hung thread gave its slot back: with max_parallel_calls=1 a new call still runs
             assert pool.submit(tools, [ToolCall("alookup", {"key": "b"})]).result(timeout=10)[0].text == "B"

@@ -43,6 +43,7 @@ class SandboxLimits:
     max_open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 16_384  # of stdout+stderr kept: the first and the last half
     max_code_chars: int = 100_000
+    namespaces: bool = True  # try new user/network/PID namespaces (False: the rlimits-only fallback, for tests)
     python: str = field(default_factory=lambda: sys.executable)
 
     def __post_init__(self):

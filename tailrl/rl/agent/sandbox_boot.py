@@ -13,7 +13,11 @@ cfg = json.loads(sys.argv[1])
 code = sys.stdin.buffer.read().decode("utf-8", "replace")
 _fd = os.open(os.devnull, os.O_RDONLY); os.dup2(_fd, 0); os.close(_fd)
 iso = {"user": "caller", "user_ns": False, "net_ns": False, "pid_ns": False}
-import ast, builtins, ctypes, linecache, traceback
+import ast, builtins, linecache, traceback
+try:
+    import ctypes
+except ImportError:  # an interpreter built without _ctypes: no namespaces, the rlimits still hold
+    ctypes = None
 uid, gid = os.getuid(), os.getgid()
 if uid == 0:
     # nobody may not read the interpreter's stdlib (say, under /root): keep it open and import through the fds
@@ -36,6 +40,10 @@ if uid == 0:
     os.setresuid(cfg["nobody"], cfg["nobody"], cfg["nobody"])
     uid = gid = cfg["nobody"]; iso["user"] = "nobody"
 try:
+    if not cfg["namespaces"]:
+        raise OSError("namespaces turned off (SandboxLimits.namespaces=False)")
+    if ctypes is None:
+        raise OSError("no ctypes in this interpreter, so no unshare(2)")
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(0x10000000 | 0x40000000 | 0x20000000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
@@ -46,9 +54,9 @@ try:
             f.write(text)
 except Exception as e:
     iso["unshare_error"] = "%s: %s" % (type(e).__name__, e)
-nproc = cfg["max_processes"] + 3
-if not iso["user_ns"]:  # RLIMIT_NPROC then counts every process of this uid on the machine
-    tasks = 0
+nproc = cfg["max_processes"] + 3  # B, I and U are counted too
+if not iso["user_ns"]:  # RLIMIT_NPROC then counts every process of this uid on the machine (B among them)
+    tasks = 2
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
@@ -56,9 +64,10 @@ if not iso["user_ns"]:  # RLIMIT_NPROC then counts every process of this uid on 
                     tasks += len(os.listdir("/proc/%s/task" % p))
             except OSError:
                 pass
-    nproc += tasks
+    nproc = cfg["max_processes"] + tasks
 mb = 1024 * 1024
-for lim, soft, hard in ((resource.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1),
+cpu = max(1, int(cfg["cpu_s"] + 0.999))
+for lim, soft, hard in ((resource.RLIMIT_CPU, cpu, cpu + 1),
                         (resource.RLIMIT_AS, cfg["memory_mb"] * mb, cfg["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, cfg["file_size_mb"] * mb, cfg["file_size_mb"] * mb),
                         (resource.RLIMIT_NPROC, nproc, nproc),
