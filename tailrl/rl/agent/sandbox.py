@@ -145,16 +145,20 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResu
                                 cwd=workdir, env=env, start_new_session=True, close_fds=True)
         reader = _Reader(proc.stdout, limits.output_bytes)
         reader.start()
+        exited = False
         try:
-            proc.stdin.write(code.encode("utf-8", "replace"))
-            proc.stdin.close()
-        except OSError:  # the bootstrap died before reading: its output says why
-            pass
-        exited = _wait_exit(proc.pid, t0 + limits.wall_s)
-        _killpg(proc.pid)  # the code's leftovers (and, on timeout, the code): the pgid is still ours, unreaped
-        rc = proc.wait()
+            try:
+                proc.stdin.write(code.encode("utf-8", "replace"))
+                proc.stdin.close()
+            except OSError:  # the bootstrap died before reading: its output says why
+                pass
+            exited = _wait_exit(proc.pid, t0 + limits.wall_s)
+        finally:  # also when this thread is interrupted: nothing of the sandbox outlives the call
+            _killpg(proc.pid)  # the code's leftovers (and, on timeout, the code): the pgid is ours while unreaped
+            rc = proc.wait()
         reader.join(2.0)  # EOF once every holder of the pipe is gone; a process that escaped the group may not be
-        proc.stdout.close() if not reader.is_alive() else None
+        if not reader.is_alive():
+            proc.stdout.close()
         head, tail, total = bytes(reader.head), bytes(reader.tail[-reader.half:]), reader.total
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
