@@ -34,7 +34,7 @@ def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict], proposer: bool 
                              max_tokens=r["max_tokens"]) for r in reqs]
     t, c = time.perf_counter(), time.process_time()
     if proposer:  # as vllm_io.draw: the prompts first (rows are matched to them), the samples become history after
-        from tailrl.rl.rollout.vllm_proposer import end_rollout, push_prompts
+        from tailrl.rl.rollout.vllm.proposer import end_rollout, push_prompts
 
         llm.collective_rpc(push_prompts, args=([r["ids"] for r in reqs],))
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -77,7 +77,7 @@ def main() -> None:
     llm = LLM(job["model"], **kw)
     res = {"startup_s": time.perf_counter() - T0, "repair": None}
     if job.get("spec") and job.get("repair", True):
-        from tailrl.rl.rollout.vllm_repair import repair
+        from tailrl.rl.rollout.vllm.repair import repair
 
         res["repair"] = repair(llm)
     proposer = bool(job.get("spec")) and job["spec"].get("method") == "custom_class"

@@ -153,9 +153,11 @@ class Trainer:
         elif not got.all_comps:
             self.skip_reason = "every prompt of the step was rejected by the engine"
             metrics["train/skipped_steps"] = 1
-        else:  # dynamic sampling found no group with a spread of rewards: nothing to learn from, no error
-            log.info("step %d: no informative group in %d rounds (every group's rewards equal): no update",
-                     self.step + 1, got.rounds)
+        else:  # dynamic sampling found no informative group: nothing to learn from, no error
+            hint = (f"; {got.reward_only} groups' rewards differed: with a reward reward.accuracy cannot judge (shaped "
+                    "or custom), set algo.filter_metric=reward") if got.reward_only else ""
+            (log.warning if hint else log.info)("step %d: no informative group in %d rounds (algo.filter_metric=%s): "
+                                                "no update%s", self.step + 1, got.rounds, got.metric, hint)
         with self._phase("sync", timing):
             metrics["sync/bytes"] = self.actor.sync_to(self.rollout)
             metrics.update(self.rollout.drafter_sync())
@@ -176,7 +178,7 @@ class Trainer:
         until that many groups with a spread of rewards are in hand or `algo.max_gen_rounds` ran (dynamic.py)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         want = cfg.trainer.prompts_per_step
-        got = Gathered(n, want if cfg.algo.dynamic_sampling else 0)
+        got = Gathered(n, want if cfg.algo.dynamic_sampling else 0, cfg.algo.filter_metric)
         for r in range(cfg.algo.max_gen_rounds if cfg.algo.dynamic_sampling else 1):
             t = time.perf_counter()
             if self.partial is not None:  # complete groups only, some begun in earlier steps (partial.py)

@@ -44,9 +44,9 @@ def build_drafter(cfg: Config, target):
 
 
 def make_rollout(cfg: Config, engine_model: torch.nn.Module, tokenizer):
-    """The rollout of rollout.backend: ours (EngineRollout) or vLLM's (vllm_rollout.VllmRollout, imported only then)."""
+    """The rollout of rollout.backend: ours (EngineRollout) or vLLM's (vllm/rollout.py, imported only then)."""
     if cfg.rollout.backend == "vllm":
-        from .vllm_rollout import VllmRollout
+        from .vllm.rollout import VllmRollout
 
         return VllmRollout(cfg, engine_model, tokenizer)
     return EngineRollout(cfg, engine_model, tokenizer)

@@ -21,7 +21,7 @@ Invariants: the repair is active in a process only where that process's expansio
 TAILRL_VLLM_REPAIR is not 0; `expected_state()` (read before any LLM exists, to key audit verdicts) equals what
 `repair` then finds, or `repair` raises rather than let a verdict be filed under the wrong key.
 TAILRL_VLLM_REPAIR=0 turns it off (and restores vLLM's function where an earlier LLM in the process repaired it).
-With the repair, the same builds get vllm_recovery (the rejection sampler's recovery noise drawn for drafting rows
+With the repair, the same builds get recovery.py (the rejection sampler's recovery noise drawn for drafting rows
 only: what made vLLM-CPU's speculative steps 1.3x slower than plain ones before any draft); off with it."""
 
 from __future__ import annotations
@@ -124,17 +124,17 @@ def repair_in_process(worker=None) -> str:
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler as rs
 
-    from . import vllm_recovery
+    from . import recovery
 
     if _original is not None and not enabled():  # turned off after an earlier LLM here repaired it
         rs.expand_batch_to_tokens, _original = _original, None
-        vllm_recovery.remove(rs)
+        recovery.remove(rs)
     if rs.expand_batch_to_tokens is repeat_per_request:
         return REPAIRED
     if not enabled() or not current_platform.is_cpu() or expansion_ok(rs.expand_batch_to_tokens):
         return UNREPAIRED
     _original, rs.expand_batch_to_tokens = rs.expand_batch_to_tokens, repeat_per_request
-    vllm_recovery.install(rs)  # the same builds draw the recovery noise for every row: for drafting rows only
+    recovery.install(rs)  # the same builds draw the recovery noise for every row: for drafting rows only
     return REPAIRED
 
 

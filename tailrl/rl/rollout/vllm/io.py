@@ -1,5 +1,5 @@
-"""What goes into and out of one vllm.LLM, for the rollout in process (vllm_rollout.py) and in each Ray actor
-(vllm_ray.py) alike: prompts sampled into plain `Drawn` records (what an actor sends back), with our proposer told
+"""What goes into and out of one vllm.LLM, for the rollout in process (rollout.py) and in each Ray actor
+(ray.py) alike: prompts sampled into plain `Drawn` records (what an actor sends back), with our proposer told
 the prompts first and given the samples as history after; the policy's weights streamed in by name.
 
 Weights: a stream of (name, tensor) pairs into `collective_rpc("reload_weights")`, which runs vLLM's own checkpoint
@@ -29,7 +29,7 @@ def draw(llm, prompts: list[list[int]], params: dict, proposer: bool) -> tuple[l
     by token prefix), and its samples become history at the end."""
     from vllm import SamplingParams
 
-    from .vllm_proposer import end_rollout, push_prompts
+    from .proposer import end_rollout, push_prompts
 
     if proposer:
         llm.collective_rpc(push_prompts, args=(prompts,))

