@@ -21,7 +21,7 @@ Forward-cost tables (benchmarks/RESULTS.md, "The GPU path on an H100", measured 
 a pass's cost is taken as a function of the tokens in it, N = sequences x tokens per sequence, interpolated
 linearly between measured points and extended with the last segment's slope. In the measured SmolLM2 grid, passes
 of equal N cost within ~10% of each other whatever their shape (printed: the model's error on each point).
-- smollm2-135m: `benchmarks/gpu.py all` (batch 1, 4, 32 x k = 1-32) and `host_overhead.py`'s forward (batch 1-256).
+- smollm2-135m: `benchmarks/gpu/cost.py all` (batch 1, 4, 32 x k = 1-32) and `host_overhead.py`'s forward (batch 1-256).
 - qwen3-8b (random weights): batch 1 k=1 10.4 ms; k=32 at batch 1 1.17x; at batch 32 k=8 1.37x, k=16 1.85x, k=32
   3.09x of batch 32 k=1, which was not printed: taken as batch 1 k=32's (the same 32 tokens; an assumption).
 - `--host today` adds the host work a step paid outside the forward on that H100 (host_overhead.py, round 3:
