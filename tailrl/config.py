@@ -11,7 +11,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from .cluster.config import ClusterConfig
 from .config_help import REMOVED, choice_problem, did_you_mean, or_list
 from .config_values import ConfigError, coerce, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
@@ -27,8 +26,9 @@ PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl
 class ModelCfg:
     path: str = "smollm2-135m"  # known name, HF folder or .gguf
     device: str | None = None  # None: cuda if present, else cpu
-    # the rollout engine's weights: auto = bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32. The
-    # trainer keeps fp32 master weights and fp32 Adam state whatever this is.
+    # the rollout engine's weights: auto = bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX (unless ONEDNN_MAX_CPU_ISA
+    # caps oneDNN below AVX512_CORE_BF16), else fp32. The trainer keeps fp32 master weights and fp32 Adam state
+    # whatever this is.
     dtype: str = "auto"
     # where the update's forward/backward runs: auto = a bf16 copy of the weights when the engine runs bf16 (the
     # fastest here, benchmarks/update.py), else fp32; float32 | autocast (bf16 autocast over fp32) | bfloat16
@@ -100,8 +100,7 @@ class AlgoCfg:
     clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
     clip_high: float = 0.28  # DAPO clip-higher
     # the policy loss: ppo (the clipped token ratio) | gspo (GSPO, arXiv 2507.18071: one length-normalised, clipped
-    # ratio per response; the paper aggregates seq-mean-token-mean) | cispo (MiniMax-M1, arXiv 2506.13585: the
-    # clipped, detached token ratio times the log-likelihood, so no token loses its gradient)
+    # ratio per response) | cispo (MiniMax-M1, arXiv 2506.13585: the clipped, detached ratio times the log-likelihood)
     loss: str = "ppo"
     gspo_clip_low: float = 3e-4  # loss=gspo: the sequence ratio's clip below 1 (the paper's 5.1, verl's gspo recipe)
     gspo_clip_high: float = 4e-4  # loss=gspo: its clip above 1 (clip_low/high apply to ppo only)
@@ -109,7 +108,10 @@ class AlgoCfg:
     # (arXiv 2510.13786) one default run of 3 collapsed to 0 held-out at step 4; at 0.2 none did, mean 0.68 at step
     # 16 against PPO's 0.69 (benchmarks/RESULTS.md 19). 4.0 reproduces ScaleRL
     cispo_clip_high: float = 0.2
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    # auto: each loss's own (token-mean; gspo: seq-mean-token-mean, its paper's and verl's) | token-mean |
+    # seq-mean-token-mean | seq-mean-token-sum (the seq-means count only sequences with a token on the mask)
+    loss_agg: str = "auto"
+    clip_ratio_c: float = 0.0  # dual-clip PPO (verl's clip_ratio_c, 3 there): loss <= -A * c where A < 0; 0 = off
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "k3"  # k1 | k3
     ppo_epochs: int = 1  # passes over each rollout batch
@@ -125,20 +127,19 @@ class AlgoCfg:
     lr_min_ratio: float = 0.1  # cosine: the last step's rate over lr
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # gradient norm clip
-    # truncated importance sampling against the rollout engine's logprobs (verl's TIS): each token's loss times
-    # min(exp(trainer old logprob - rollout logprob), tis_cap), detached; 0 = off
-    tis_cap: float = 0.0
-    # leave sequences with advantage exactly 0 (a group whose samples all got the same reward) out of the update's
-    # forward/backward: their gradient is exactly 0, so the update is the same, for less work (none is skipped while
-    # kl_coef > 0, whose term has a gradient on every sequence)
+    tis_cap: float = 0.0  # verl's TIS: each token's loss x min(exp(old - rollout logprob), tis_cap), detached; 0 = off
+    # leave sequences with advantage exactly 0 out of the update's forward/backward: their gradient is exactly 0, so
+    # the update is the same for less work (none is skipped while kl_coef > 0: its term has a gradient on every one)
     skip_zero_advantage: bool = True
     # DAPO's overlong filtering (TRL's mask_truncated_completions): a response cut at rollout.max_tokens leaves the
-    # loss (advantage 0, out of the token normalisers), since its reward judges an answer it never finished
+    # loss (advantage 0, in no normaliser), since its reward judges an answer it never finished
     mask_truncated: bool = False
-    # DAPO's dynamic sampling (verl's filter_groups): groups whose rewards are all equal (no gradient) leave the
-    # batch, and rounds of trainer.prompts_per_step more prompts are sampled until that many informative groups are
-    # in hand or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups)
+    # DAPO's dynamic sampling (verl's filter_groups): a group whose samples do not differ in filter_metric leaves the
+    # batch, and rounds of trainer.prompts_per_step more prompts run until that many informative groups are in hand
+    # or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups,
+    # rollout/round_limit)
     dynamic_sampling: bool = False
+    filter_metric: str = "acc"  # acc (DAPO's, verl's metric=acc: reward.accuracy's verifier) | reward (the total)
     max_gen_rounds: int = 4  # dynamic sampling's rounds per step at most (each costs a rollout)
 
 
@@ -245,6 +246,8 @@ class Config:
             (self.trainer.steps >= 1 and self.trainer.prompts_per_step >= 1, "trainer.steps", ">= 1 (and prompts_per_step)"),
             (a.tis_cap >= 0 and math.isfinite(a.tis_cap), "algo.tis_cap", ">= 0 and finite (0 = off)"),
             (a.max_gen_rounds >= 1, "algo.max_gen_rounds", ">= 1"),
+            (a.clip_ratio_c == 0 or (1 < a.clip_ratio_c < math.inf and a.loss == "ppo"), "algo.clip_ratio_c",
+             "0 (off), or finite and > 1 with algo.loss=ppo (the dual clip is PPO's)"),
             (a.lr_warmup_steps >= 0 and 0 <= a.lr_min_ratio <= 1, "algo.lr_warmup_steps", ">= 0 (and lr_min_ratio in [0, 1])"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),

@@ -71,7 +71,8 @@ def step_line(step: int, total: int, m: dict, elapsed: float) -> str:
         line += (f"  partial: {'buffered groups' if not stop else f'stopped at {stop} tokens'}, "
                  f"{100 * m.get('rollout/offpolicy_token_frac', 0):.0f}% off-policy")
     if m.get("rollout/gen_rounds", 1) > 1 or m.get("rollout/filtered_groups"):  # dynamic sampling
-        line += f"  rounds {m['rollout/gen_rounds']} ({m.get('rollout/informative_groups', 0)} groups kept)"
+        line += f"  rounds {m['rollout/gen_rounds']} ({m.get('rollout/informative_groups', 0)} groups kept" + (
+            ", round limit)" if m.get("rollout/round_limit") else ")")
     if "eval/accuracy" in m:
         line += f"  eval acc {m['eval/accuracy']:.2f}"
     if m.get("train/skipped_steps"):

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from tailrl.rl.algos import aggregate, cispo_loss, group_advantages, gspo_loss, kl_penalty, policy_loss, token_logprobs
+from tailrl.rl.algos import (aggregate, cispo_loss, group_advantages, gspo_loss, kl_penalty, loss_agg, policy_loss,
+                             token_logprobs)
 
 
 def test_grpo_advantages_by_hand():
@@ -27,6 +28,40 @@ def test_aggregation_modes_by_hand():
     assert float(aggregate(v, m, "seq-mean-token-sum")) == pytest.approx((6 + 4) / 2)
     with pytest.raises(ValueError, match="aggregation"):
         aggregate(v, m, "mean")
+
+
+def test_seq_means_leave_fully_masked_rows_out_of_their_count():
+    """A row with no token on the mask (a response masked by algo.mask_truncated) is in no normaliser: verl's
+    agg_loss averages over the sequences left, so two kept rows of three weigh 1/2 each, not 1/3."""
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert float(aggregate(v, m, "seq-mean-token-mean")) == pytest.approx((2 + 4) / 2)
+    assert float(aggregate(v, m, "seq-mean-token-sum")) == pytest.approx((6 + 4) / 2)
+    assert float(aggregate(v, m, "token-mean")) == pytest.approx(10 / 4)
+    assert float(aggregate(v, torch.zeros_like(m), "seq-mean-token-mean")) == 0.0  # nothing left: 0, not NaN
+
+
+def test_loss_agg_auto_is_each_losss_paper():
+    """GSPO's objective (arXiv 2507.18071 eq. 5-7) and verl's compute_policy_loss_gspo weigh each response equally;
+    PPO (DAPO) and CISPO (MiniMax-M1 eq. 4) average over tokens. An explicit mode wins."""
+    assert [loss_agg(x, "auto") for x in ("ppo", "gspo", "cispo")] == ["token-mean", "seq-mean-token-mean", "token-mean"]
+    assert loss_agg("gspo", "token-mean") == "token-mean"
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_only():
+    """verl's compute_policy_loss_vanilla with clip_ratio_c = 3: for A < 0 the loss is min(PPO's, -A * 3), so a ratio
+    of 5 costs 3 |A| with no gradient; a positive advantage, and ratios below 3, are PPO's."""
+    old = torch.zeros(1, 3)
+    mask = torch.ones(1, 3)
+    logp = torch.log(torch.tensor([[5.0, 2.0, 0.5]])).requires_grad_()
+    loss, _ = policy_loss(logp, old, torch.tensor([-1.0]), mask, 0.2, 0.28, "token-mean", clip_c=3.0)
+    assert float(loss) == pytest.approx((3.0 + 2.0 + 0.8) / 3)
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(2.0 / 3)  # capped token: no gradient
+    off, _ = policy_loss(logp, old, torch.tensor([-1.0]), mask, 0.2, 0.28, "token-mean")
+    assert float(off) == pytest.approx((5.0 + 2.0 + 0.8) / 3)
+    pos, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, 0.2, 0.28, "token-mean", clip_c=3.0)
+    assert float(pos) == pytest.approx(-(1.28 + 1.28 + 0.5) / 3)
 
 
 def test_clipped_loss_by_hand_and_clip_higher():

@@ -28,12 +28,19 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
         resolve_dtype("bf15", "cpu")
 
 
-def test_cpu_bf16_check_agrees_with_cpuinfo():
+def test_cpu_bf16_check_agrees_with_cpuinfo(monkeypatch):
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         pytest.skip("no /proc/cpuinfo")
-    assert load.cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags or "amx_tile" in flags)
+    hardware = "avx512_bf16" in flags or "amx_bf16" in flags or "amx_tile" in flags
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert load.cpu_has_bf16() == hardware
+    for cap, bf16 in (("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", hardware), ("ALL", hardware)):
+        # oneDNN capped below its bf16 kernels emulates bf16 (a bf16 CPU under AVX2 runs as a Zen 3): auto is fp32
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert load.cpu_has_bf16() == bf16, cap
+        assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if bf16 else torch.float32), cap
 
 
 def test_bf16_engine_beside_fp32_master(tiny_chat, task_file, tmp_path):

@@ -1,6 +1,7 @@
 """The step API: moving running sequences between engines, merging statistics, aborting; keyed noise."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -225,3 +226,27 @@ def test_a_rollout_keeps_older_objects_out_of_the_garbage_collector(tiny):
     assert gc.get_freeze_count() == 0
     eng.generate(PROMPTS, SamplingParams(max_tokens=4, seed=3))
     assert gc.get_freeze_count() == 0
+
+
+def test_imported_sequences_decode_under_the_weights_the_model_holds_now(tmp_path_factory):
+    """A partial rollout imports its carried responses before it adds any request (issue 64): the engine repacks
+    its weights then too, so a change that moved no version counter (torch's fused AdamW steps in place) reaches
+    them. Here the LM head is zeroed that way: every continued token is then drawn from the uniform distribution.
+    (Under the last rollout's packs, a resumed run and the run that never stopped sampled different tokens.)"""
+    model = tiny_model(tmp_path_factory, "llama", seed=4)
+    eng = engine(model, "off")
+    eng.add_requests(PROMPTS, SamplingParams(n=2, max_tokens=24, temperature=1.0, seed=7, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    states = eng.export(eng.unfinished_ids())
+    assert not eng.has_work() and all(st.output_ids for st in states)
+    version = model.lm_head.weight._version
+    model.lm_head.weight.data.zero_()  # in place, as a fused optimizer step: no version counter moves
+    assert model.lm_head.weight._version == version
+    had = {(st.prompt_index, st.sample_index): len(st.output_ids) for st in states}
+    eng.import_(states)
+    new = []
+    while eng.has_work():
+        new += [lp for c in eng.step().finished for lp in c.logprobs[had[(c.prompt_index, c.sample_index)]:]]
+    assert len(new) == sum(24 - k for k in had.values())
+    assert new == pytest.approx([-math.log(model.config.vocab_size)] * len(new), abs=1e-5)

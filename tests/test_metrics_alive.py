@@ -27,6 +27,21 @@ STALE = "spec/stale/"  # the acceptance watchdog's flags: 1.0 only when a drafte
 TAIL = ("rollout/tail_s", "rollout/tail_share", "rollout/tail_share_off_est", "spec/tail_tokens_per_s")
 
 
+INVARIANT = "rollout/batch_invariant"  # checked against the resolved config below, not skipped
+
+
+def invariant_passes(cfg) -> bool:
+    """What the engine resolves rollout.batch_invariant to for this config on this CPU (engine/probe.py): the dtype
+    model.dtype resolves to here (auto: fp32 on an AVX2-only CPU, or under ONEDNN_MAX_CPU_ISA=AVX2), and the probe's
+    verdict where it runs."""
+    from tailrl.engine.probe import resolve_invariant
+    from tailrl.model import load_model
+    from tailrl.model.load import resolve_dtype
+
+    model, _ = load_model(cfg.model.path, device="cpu", dtype=resolve_dtype(cfg.model.dtype, "cpu"))
+    return resolve_invariant(cfg.rollout.batch_invariant, model)[0]
+
+
 def test_no_metric_is_stuck_at_zero(tiny_chat, task_file, tmp_path):
     cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=3", "trainer.eval_every=2", "rollout.max_tokens=12")
     rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
@@ -41,9 +56,12 @@ def test_no_metric_is_stuck_at_zero(tiny_chat, task_file, tmp_path):
         vals = [r[key] for r in rows if key in r]
         if not all(isinstance(v, (int, float)) and v == 0 for v in vals):
             continue
-        if key in MAY_BE_ZERO or key.startswith(STALE) or (key in TAIL and not had_tail):
+        if key in MAY_BE_ZERO or key.startswith(STALE) or (key in TAIL and not had_tail) or key == INVARIANT:
             continue
         stuck.append(key)
     assert not stuck, f"metrics logged as 0 at every step: {stuck}"
+    # rollout/batch_invariant says what the engine resolved: 0 wherever its config resolves to the plain passes
+    # (auto in fp32, as on an AVX2-only CPU), 1 where the invariant passes run (auto in bf16 where the probe holds)
+    assert [r["rollout/batch_invariant"] for r in steps] == [float(invariant_passes(cfg))] * 3
     for key in ("perf/gen_tokens_per_s", "spec/accept_length", "actor/grad_norm", "timing_s/gen", "rollout/gen_rounds"):
         assert key in steps[-1], key  # the check above saw the metrics that matter

@@ -31,7 +31,7 @@ def test_chunked_head_equals_full_logits_values_and_gradients(chunk):
     w = (torch.randn(50, 16) * 0.5).requires_grad_()
     y = torch.randint(0, 50, (37,))
     g_lp, g_ent = torch.randn(37), torch.randn(37)
-    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=chunk)
+    lp, ent = head_logprobs(h, w, y, 0.7, chunk=chunk)
     (lp @ g_lp + ent @ g_ent).backward()
     got = (lp.detach(), ent.detach(), h.grad.clone(), w.grad.clone())
     h.grad = w.grad = None
@@ -49,6 +49,18 @@ def test_micro_batches_group_lengths_and_cover_every_sequence():
     assert sorted(i for m in micros for i in m) == list(range(9)) and [len(m) for m in micros] == [4, 4, 1]
     lens = [len(batch.seqs[i]) for m in micros for i in m]
     assert lens == sorted(lens, reverse=True)
+
+
+def test_a_completion_without_a_logprob_per_token_is_an_error_not_zeros():
+    """A rollout that reports fewer (or no) logprobs than tokens: the batch refuses it, naming the completion (a
+    0 would read as log p = 0 and set the TIS weight to min(p, cap))."""
+    cs = comps(n=3)
+    cs[1].logprobs = cs[1].logprobs[:-1]
+    with pytest.raises(ValueError, match=r"completion 1 of the batch has \d+ rollout logprobs for its \d+ tokens"):
+        make_batch(cs, pad=0)
+    cs[1].logprobs = []
+    with pytest.raises(ValueError, match="completion 1 of the batch has 0 rollout logprobs"):
+        make_batch(cs, pad=0)
 
 
 def test_length_grouped_chunked_forward_equals_padded_batch(tiny):
@@ -219,7 +231,7 @@ def test_chunked_head_gradient_without_the_entropy_term():
     w = (torch.randn(50, 16) * 0.5).requires_grad_()
     y = torch.randint(0, 50, (29,))
     g = torch.randn(29)
-    lp, ent = head_logprobs(h, w, y, temperature=0.7, chunk=8)
+    lp, ent = head_logprobs(h, w, y, 0.7, chunk=8)
     (lp @ g).backward()
     got = (h.grad.clone(), w.grad.clone())
     h.grad = w.grad = None

@@ -80,9 +80,7 @@ class Engine:
                      prompt_indices: list[int] | None = None) -> list[int]:
         """Queues each prompt's n samples; returns their sequence ids in (prompt, sample) order. A bad prompt
         fails alone: its samples come back from the next step with finish_reason "error" naming the problem."""
-        if not self.has_work():  # a new batch: the weights may have moved since the last (model/packed.py)
-            invalidate_packs()
-            self._pause_old_gc()
+        self._new_batch()
         sampling = sampling or SamplingParams()
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
@@ -163,6 +161,7 @@ class Engine:
     def import_(self, states: list[SeqState]) -> list[int]:
         """Queues exported sequences; each re-prefills its prompt and tokens so far, then goes on exactly as it
         would have where it was. Returns their ids here."""
+        self._new_batch()
         ids = []
         for st in states:
             s = import_state(self._next_id, st)
@@ -202,6 +201,14 @@ class Engine:
         if self._gc_frozen:
             gc.unfreeze()
             self._gc_frozen = False
+
+    def _new_batch(self) -> None:
+        """Requests or imported sequences arrive at an idle engine: a new batch, whose weights may have moved since
+        the last (model/packed.py), whichever of add_requests and import_ comes first (a partial rollout imports
+        its carried responses first: under packs of the last rollout's weights, they decoded from the old policy)."""
+        if not self.has_work():
+            invalidate_packs()
+            self._pause_old_gc()
 
     def _pause_old_gc(self) -> None:
         """A rollout starts: the objects that exist now (the model, the drafters' indexes of earlier epochs, the

@@ -5,9 +5,11 @@ The uniform that draws the token at output position i of a request depends only 
 Plain decoding and speculative verification with deterministic drafts therefore emit the very same tokens,
 not merely tokens of the same distribution, and a batch gives each request what it would get alone.
 
-`warped_logprobs` defines the distribution a request samples from; speculative verification and the
-trainer's logprob recomputation use the same function, so all three agree exactly. Greedy rows keep the
-unscaled distribution (temperature 1) for their reported logprobs and take its argmax."""
+`warped_logprobs` defines the distribution a request samples from, and speculative verification uses it. Its
+support comes from `warp_mask`, the one definition of what top-k and top-p leave out: the trainer scores tokens
+under the same warped distribution by calling it too (rl/actor/logprobs.py), so the logprobs the engine reports
+and the trainer's agree up to float rounding. Greedy rows keep the unscaled distribution (temperature 1) for their
+reported logprobs and take its argmax."""
 
 from __future__ import annotations
 
@@ -41,21 +43,30 @@ def warped_logprobs(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tens
     return out
 
 
-def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    x = logits.float() / temps.unsqueeze(-1)
-    V = x.shape[-1]
+def warp_mask(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor | None:
+    """What top-k, then top-p, leave out of temperature-scaled logits x [N, V] (True: dropped), or None when no row
+    uses either. top-k keeps each row's k largest (ties with the k-th kept; k = 0: all); top-p then keeps the smallest
+    prefix, by probability renormalised after top-k, whose mass reaches p (p = 1: all). A pure function of x and
+    the settings: the sampler and the trainer (rl/actor/logprobs.py) share it, so both warp alike."""
+    V, drop = x.shape[-1], None
     if top_k is not None and bool((top_k > 0).any()):
         k = torch.where(top_k > 0, top_k.clamp(max=V), V)
         kth = torch.topk(x, int(k.max()), dim=-1).values.gather(-1, (k - 1).unsqueeze(-1))
-        x = x.masked_fill(x < kth, float("-inf"))
+        drop = x < kth
     if top_p is not None and bool((top_p < 1).any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x, order = torch.sort(x if drop is None else x.masked_fill(drop, float("-inf")), dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # keep the smallest prefix whose mass reaches top_p
         drop_sorted = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)  # top_p=1: keep all
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+        by_p = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop = by_p if drop is None else drop | by_p
+    return drop
+
+
+def _warp(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    x = logits.float() / temps.unsqueeze(-1)
+    drop = warp_mask(x, top_k, top_p)
+    return torch.log_softmax(x if drop is None else x.masked_fill(drop, float("-inf")), dim=-1)
 
 
 def sample(logprobs: torch.Tensor, greedy: list[bool], seeds: list[int], positions: list[int]) -> tuple[list[int], list[float]]:

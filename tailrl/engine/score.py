@@ -1,8 +1,9 @@
 """Our model as the audit's target scorer (speculative/impossible.py): the warped log p of every emitted token.
 
-The distribution is the one our engine samples from and the trainer recomputes (engine/sampler.warped_logprobs:
-temperature, then top-k, then top-p; -inf outside the support), so an engine's reported logprobs are checked
-against what the trainer's importance weights compare them with.
+The distribution is the one our engine samples from (engine/sampler.warped_logprobs: temperature, then top-k, then
+top-p; -inf outside the support) and the trainer scores under (rl/actor/logprobs.py, through the same
+`warp_mask`), so an engine's reported logprobs are checked against what the trainer's importance weights compare
+them with.
 
 A prompt's responses are scored in one forward over the prompt once and every response after it
 (`CausalLM.forward_shared`, the trainer's layout, rl/actor/packing.py): each response reads the prompt's keys and

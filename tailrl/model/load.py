@@ -131,8 +131,16 @@ def _write_gguf_cache(folder: Path, hf_cfg: dict, sd: dict, tokenizer) -> None:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) below AVX512_CORE_BF16: under one, bf16 products are emulated in fp32 even on
+# bf16 hardware (a Zen 4 capped at AVX2 multiplies as a Zen 3 does), so `auto` picks fp32 there as on that CPU
+_CAPS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
 def cpu_has_bf16() -> bool:
-    """The CPU multiplies bf16 matrices in hardware: AVX-512 BF16 or AMX (asked of torch, else /proc/cpuinfo)."""
+    """The CPU multiplies bf16 matrices in hardware: AVX-512 BF16 or AMX (asked of torch, else /proc/cpuinfo), and
+    oneDNN may use them (ONEDNN_MAX_CPU_ISA, when set, is not capped below AVX512_CORE_BF16)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _CAPS_WITHOUT_BF16:
+        return False
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # an older torch: read the flags
@@ -145,7 +153,7 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """A dtype name ("auto", "float32", "bfloat16", "float16"), a torch dtype or None -> torch dtype.
-    auto: bf16 on CUDA and on CPUs with bf16 matrix hardware (cpu_has_bf16), fp32 elsewhere. None: bf16 on CUDA,
+    auto: bf16 on CUDA and on CPUs with bf16 matrix hardware that oneDNN may use (cpu_has_bf16), fp32 elsewhere. None: bf16 on CUDA,
     fp32 on any CPU (the library default, so that fp32 parity holds unless a caller asks for auto)."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -8,7 +8,8 @@ The pack is keyed by the weight's version counter and storage, and by a generati
 a `copy_` into the weight or a new tensor repacks at the next call, and so does every pack after an invalidation.
 The version counter alone is not enough: torch's fused AdamW updates its parameters in place without moving their
 version counters (torch 2.13), so an engine sharing the trainer's fp32 policy decoded from the weights it first
-packed. The engine therefore invalidates its packs whenever a new batch of requests starts (Engine.add_requests):
+packed. The engine therefore invalidates its packs whenever a new batch starts (Engine._new_batch: requests or
+imported sequences arriving at an idle engine):
 weights change between rollouts, never during one. The packed product
 is the same product with other rounding, so it serves the plain passes (exact in distribution); the
 batch-invariant passes keep the module's own kernel, the one the start-up probe checked (engine/probe.py). Where

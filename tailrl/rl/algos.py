@@ -8,7 +8,13 @@ import math
 
 import torch
 
+from ..engine.sampler import warp_mask
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# each policy loss's aggregation as its paper and verl define it (algo.loss_agg=auto): DAPO's token-mean for PPO
+# (verl's default), the paper's 1/G sum_i 1/|y_i| sum_t for GSPO (eq. 5-7; verl's compute_policy_loss_gspo forces
+# seq-mean-token-mean), token-mean for CISPO (MiniMax-M1 eq. 4)
+PAPER_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean", "cispo": "token-mean"}
 KL_KINDS = ("k1", "k3")
 
 
@@ -22,32 +28,44 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_std: bool = Tr
     return adv.view(-1)
 
 
+def loss_agg(loss: str, agg: str) -> str:
+    """The aggregation `algo.loss_agg` means for `algo.loss`: 'auto' is the loss's own (PAPER_AGG)."""
+    return PAPER_AGG[loss] if agg == "auto" else agg
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """token-mean: over all response tokens of the batch (DAPO); seq-mean-token-mean: per sequence, then over
-    sequences (GRPO); seq-mean-token-sum: token sums per sequence, then over sequences (Dr.GRPO uses a constant
-    normaliser; callers pass values pre-divided by it)."""
+    sequences (GRPO, GSPO); seq-mean-token-sum: token sums per sequence, then over sequences (Dr. GRPO's sum over
+    tokens; its paper also divides by a constant, the generation budget, which only scales the loss: not applied
+    here, so the loss is Dr. GRPO's times that constant). The seq-means are over the sequences with at least one
+    token on the mask: a row left fully out (algo.mask_truncated) is in no normaliser, as in verl's agg_loss."""
     mask = mask.to(values.dtype)
     if mode == "token-mean":
         return (values * mask).sum() / mask.sum().clamp_min(1)
+    tokens = mask.sum(-1)
+    seqs = (tokens > 0).sum().clamp_min(1)
     if mode == "seq-mean-token-mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp_min(1)
-        return per_seq.mean()
+        return ((values * mask).sum(-1) / tokens.clamp_min(1)).sum() / seqs
     if mode == "seq-mean-token-sum":
-        return (values * mask).sum(-1).mean()
+        return (values * mask).sum() / seqs
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
-                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                weights: torch.Tensor | None = None, clip_c: float = 0.0) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with decoupled clip range [1 - clip_low, 1 + clip_high] (DAPO clip-higher).
     advantages [B] (one per sequence) or [B, T]; weights [B, T], detached, multiply each token's loss (truncated
-    importance sampling against the rollout engine's logprobs)."""
+    importance sampling against the rollout engine's logprobs). clip_c > 1: dual-clip PPO (Ye et al. 2020, arXiv
+    1912.09729; verl's clip_ratio_c): where the advantage is negative the loss is capped at -A * clip_c, so a token
+    whose ratio ran far above 1 (off-policy) no longer pushes with a gradient that grows with the ratio; 0: off."""
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     ratio = torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if clip_c > 0:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_c), per_token)
     loss = aggregate(per_token * weights.detach() if weights is not None else per_token, mask, agg)
     return loss, _info(clipped > unclipped, logp, old_logp, mask)
 
@@ -135,9 +153,22 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of tokens [B, T] under logits [B, T, V] / temperature, and the entropy per position."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of tokens [B, T] under logits [B, T, V] / temperature, then top-k, then top-p (the
+    sampler's `warp_mask`, each token kept in its own row's support), and the entropy per position: the full-logits
+    reference of the update's chunked head (rl/actor/logprobs.py, which says why the trainer warps)."""
+    x = logits.float() / temperature
+    drop = None
+    if top_k > 0 or top_p < 1:
+        rows = x.reshape(-1, x.shape[-1])
+        n = len(rows)
+        drop = warp_mask(rows, torch.full((n,), top_k) if top_k > 0 else None,
+                         torch.full((n,), float(top_p)) if top_p < 1 else None).view(x.shape)
+        drop.scatter_(-1, tokens.unsqueeze(-1), False)
+        x = x.masked_fill(drop, float("-inf"))
+    logp_all = torch.log_softmax(x, dim=-1)
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()
+    entropy = -(p * (logp_all if drop is None else logp_all.masked_fill(drop, 0.0))).sum(-1)
     return logp, entropy

@@ -1,8 +1,12 @@
 """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2; verl's `filter_groups`): a group whose
-samples all got the same reward has advantage 0 for every sample, so it adds nothing to the policy gradient and only
-shrinks the batch. The step keeps sampling rounds of `trainer.prompts_per_step` prompts, drops such groups, and stops
-once `prompts_per_step` informative groups are in hand (the batch is cut to exactly that many, in the order drawn) or
-`algo.max_gen_rounds` rounds ran (the update then takes the informative groups it has, and the metrics say so).
+samples are all right or all wrong (eq. 11: 0 < #correct < G) adds nothing to learn from and only shrinks the batch.
+What "alike" means is `algo.filter_metric`: acc (DAPO's, and `filter_groups.metric=acc` in verl's DAPO recipe: the
+strict verifier's 0/1, `reward.accuracy`) or reward (the total, shaping and overlong terms included: any spread,
+which has a gradient, but also one a length term alone makes: a group all right but for one response a token into
+the overlong window gets GRPO advantages of +0.35 and -2.47 from that term, whatever its size). The step keeps
+sampling rounds of `trainer.prompts_per_step` prompts, drops such groups, and stops once `prompts_per_step`
+informative groups are in hand (the batch is cut to exactly that many, in the order drawn) or `algo.max_gen_rounds`
+rounds ran (the update then takes the informative groups it has, and the metrics say so).
 
 Invariants: a group stays whole (GRPO's mean and std are over all `rollout.n` samples); the rounds draw their prompts
 from the one data loader and their seeds from (run seed, step, round, prompt), so a resumed run samples exactly what
@@ -17,15 +21,13 @@ import torch
 
 # reward metrics that count events (summed over rounds); the rest are means over samples (weighted by their count)
 _SUMMED = ("reward/errors", "reward/timeouts", "reward/invalid", "rollout/rejected", "rollout/preemptions",
-           "timing_s/sync", "rollout/partial_launched", "rollout/partial_carried", "rollout/partial_restarted",
-           "rollout/offpolicy_responses")
-_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running", "rollout/staleness_max", "rollout/partial_horizon")
+           "timing_s/sync", "rollout/partial_launched", "rollout/partial_carried", "rollout/partial_restarted")
+_PEAK = ("rollout/peak_kv_gb", "rollout/peak_running", "rollout/partial_horizon")
 
 
-def informative(rewards: torch.Tensor, group_size: int) -> list[bool]:
-    """Per group (contiguous, group_size samples each): do its rewards differ? (DAPO keeps 0 < #correct < G; with
-    shaped rewards, any spread carries a gradient)."""
-    g = rewards.view(-1, group_size)
+def informative(values: torch.Tensor, group_size: int) -> list[bool]:
+    """Per group (contiguous, group_size samples each): do its values (rewards, or 0/1 correct) differ?"""
+    g = values.view(-1, group_size)
     return (g.max(-1).values > g.min(-1).values).tolist()
 
 
@@ -36,6 +38,7 @@ class Gathered:
 
     group_size: int
     want: int  # informative groups wanted (dynamic sampling) or 0 (off: every group of the one round)
+    metric: str = "acc"  # what an informative group's samples differ in: acc (correct) | reward (algo.filter_metric)
     examples: list = field(default_factory=list)
     comps: list = field(default_factory=list)
     rewards: list = field(default_factory=list)
@@ -45,7 +48,8 @@ class Gathered:
     all_rewards: list = field(default_factory=list)
     all_correct: list = field(default_factory=list)
     rounds: int = 0
-    filtered: int = 0  # groups left out for equal rewards
+    filtered: int = 0  # groups left out as not informative
+    reward_only: int = 0  # of those, groups whose rewards differed (metric acc: a hint for custom rewards)
     surplus: int = 0  # informative groups beyond `want` (sampled in the last round, not trained on)
     reward_metrics: list = field(default_factory=list)  # (metrics, samples) per round
     rollout_metrics: list = field(default_factory=list)  # (metrics, tokens, seconds) per round
@@ -63,10 +67,13 @@ class Gathered:
         self.all_comps += comps
         self.all_rewards += rewards.tolist()
         self.all_correct += correct
-        keep = informative(rewards, n) if self.want else [True] * (len(comps) // n)
+        by = torch.tensor(correct, dtype=torch.float32) if self.metric == "acc" else rewards
+        keep = informative(by, n) if self.want else [True] * (len(comps) // n)
+        spread = informative(rewards, n)
         for g, ok in enumerate(keep):
             if not ok:
                 self.filtered += 1
+                self.reward_only += spread[g]
                 continue
             if self.want and len(self.examples) >= self.want:
                 self.surplus += 1
@@ -84,8 +91,12 @@ class Gathered:
         out.update(merge_rollout(self.rollout_metrics))
         out["rollout/gen_rounds"] = self.rounds
         out["rollout/filtered_groups"] = self.filtered
+        if self.want:  # sampled beyond the step's need (the last round's extra informative groups), not trained on
+            out["rollout/surplus_groups"] = self.surplus
         out["rollout/informative_groups"] = len(self.examples) if self.want else sum(
             informative(torch.tensor(self.rewards), self.group_size)) if self.rewards else 0
+        if self.want:  # 1: the rounds ran out (algo.max_gen_rounds) short of `want` groups; the update took fewer
+            out["rollout/round_limit"] = float(not self.full)
         return out
 
 

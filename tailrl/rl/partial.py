@@ -169,20 +169,13 @@ class PartialBuffer:
 
     # ---- metrics and checkpoints --------------------------------------------------------------------------
 
-    def metrics(self, trained: list[Group], version: int, horizon: int | None = None) -> dict:
-        """Counts since the last call, the staleness of the tokens about to be trained (under `version`), and the
-        rollout's horizon (tokens per response where it stopped; 0: no rollout ran, the buffer had the groups;
-        rollout.max_tokens: it ran to the end)."""
-        ages = [version - v for g in trained for r in g.responses for v in r.versions]
-        old = sum(a > 0 for a in ages)
+    def metrics(self, horizon: int | None = None) -> dict:
+        """Counts since the last call and the rollout's horizon (tokens per response where it stopped; 0: no rollout
+        ran, the buffer had the groups; rollout.max_tokens: it ran to the end). The staleness of what the step
+        trains is `staleness`'s, over the update's completions."""
         m = {"rollout/partial_launched": self.counts["launched"], "rollout/partial_carried": self.counts["carried"],
              "rollout/partial_restarted": self.counts["restarted"], "rollout/partial_buffered": len(self.groups),
-             "rollout/rejected": self.counts["rejected"], "rollout/partial_horizon": horizon or 0,
-             "rollout/offpolicy_token_frac": old / len(ages) if ages else 0.0,
-             "rollout/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-             "rollout/staleness_max": max(ages, default=0),
-             "rollout/offpolicy_responses": sum(any(v < version for v in r.versions) for g in trained
-                                                for r in g.responses)}
+             "rollout/rejected": self.counts["rejected"], "rollout/partial_horizon": horizon or 0}
         self.counts = dict.fromkeys(self.counts, 0)
         return m
 
@@ -250,6 +243,19 @@ def version_runs(versions: list[int]) -> list[list[int]]:
         else:
             runs.append([v, 1])
     return runs
+
+
+def staleness(comps: list, version: int) -> dict:
+    """How old the trained tokens are under the update of `version`, over the completions the update gets (each
+    with its `policy_versions` runs): after dynamic sampling's filter and over every round, those served from the
+    buffer (no token drawn) included; 0 when nothing is trained."""
+    ages = [(version - v, k) for c in comps for v, k in c.stats["policy_versions"]]
+    tokens = sum(k for _, k in ages)
+    return {"rollout/offpolicy_token_frac": sum(k for a, k in ages if a > 0) / tokens if tokens else 0.0,
+            "rollout/staleness_mean": sum(a * k for a, k in ages) / tokens if tokens else 0.0,
+            "rollout/staleness_max": max((a for a, k in ages if k), default=0),
+            "rollout/offpolicy_responses": sum(any(v < version for v, k in c.stats["policy_versions"] if k)
+                                               for c in comps)}
 
 
 def launch_count(oversample: float, need: int, buffered: int) -> int:

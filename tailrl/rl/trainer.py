@@ -33,7 +33,7 @@ from .rewards.rewarder import Rewarder
 from .rollout.base import Rollout
 from .rollout.base import step_seed
 from .rollout.engine import make_rollout
-from .partial import Horizon, PartialBuffer, launch_count, version_runs
+from .partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -144,6 +144,8 @@ class Trainer:
         self.samples, self.skip_reason = [], None
         got = self._rollout(timing)
         metrics.update(got.metrics())
+        if self.partial is not None:  # over the trained tokens, whichever round (or the buffer) gave them
+            metrics.update(staleness(got.comps, self.step))
         self.phase = ("update", time.perf_counter())
         self.rollout.sleep()
         if got.comps:
@@ -151,9 +153,11 @@ class Trainer:
         elif not got.all_comps:
             self.skip_reason = "every prompt of the step was rejected by the engine"
             metrics["train/skipped_steps"] = 1
-        else:  # dynamic sampling found no group with a spread of rewards: nothing to learn from, no error
-            log.info("step %d: no informative group in %d rounds (every group's rewards equal): no update",
-                     self.step + 1, got.rounds)
+        else:  # dynamic sampling found no informative group: nothing to learn from, no error
+            hint = (f"; {got.reward_only} groups' rewards differed: with a reward reward.accuracy cannot judge (shaped "
+                    "or custom), set algo.filter_metric=reward") if got.reward_only else ""
+            (log.warning if hint else log.info)("step %d: no informative group in %d rounds (algo.filter_metric=%s): "
+                                                "no update%s", self.step + 1, got.rounds, got.metric, hint)
         with self._phase("sync", timing):
             metrics["sync/bytes"] = self.actor.sync_to(self.rollout)
             metrics.update(self.rollout.drafter_sync())
@@ -174,7 +178,7 @@ class Trainer:
         until that many groups with a spread of rewards are in hand or `algo.max_gen_rounds` ran (dynamic.py)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         want = cfg.trainer.prompts_per_step
-        got = Gathered(n, want if cfg.algo.dynamic_sampling else 0)
+        got = Gathered(n, want if cfg.algo.dynamic_sampling else 0, cfg.algo.filter_metric)
         for r in range(cfg.algo.max_gen_rounds if cfg.algo.dynamic_sampling else 1):
             t = time.perf_counter()
             if self.partial is not None:  # complete groups only, some begun in earlier steps (partial.py)
@@ -227,7 +231,7 @@ class Trainer:
             m = self.rollout.metrics()
         tokens = buf.counts["drawn"]
         groups = buf.take(need)
-        m.update(buf.metrics(groups, v, stop))
+        m.update(buf.metrics(stop))
         examples = [self.train_set[g.index] for g in groups]
         comps = [dataclasses.replace(resp.comp, prompt_index=k, sample_index=j,
                                      stats={**resp.comp.stats, "policy_versions": version_runs(resp.versions)})

@@ -21,6 +21,7 @@ from ...model import load_model, save_pretrained
 from ..checkpoint.store import non_finite_params
 from .fsdp import apply_fsdp, full_layers, local_bytes
 from .forward import Batch
+from .logprobs import Warp
 from .precision import Precision, make_adamw, resolve_mode
 from .ranks import SINGLE, Ranks
 from ..algos import lr_at
@@ -67,8 +68,9 @@ class Actor:
         lr = lr_at(a.lr, a.lr_schedule, step, self.cfg.trainer.steps, a.lr_warmup_steps, a.lr_min_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        r = self.cfg.rollout
         metrics, reason = policy_update(self.prec, self.optimizer, self.ref, batch, advantages, a,
-                                        self.cfg.rollout.temperature, rng, timing, self.ranks)
+                                        Warp(r.temperature, r.top_k, r.top_p), rng, timing, self.ranks)
         metrics["actor/lr"] = lr
         return metrics, reason
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logprobs import CHUNK_ROWS, head_logprobs
+from .logprobs import CHUNK_ROWS, Warp, head_logprobs
 from .packing import group_keys, layout, packed_len, segments, token_segments
 
 
@@ -46,7 +46,8 @@ class Batch:
 
 
 def make_batch(comps, pad: int) -> Batch:
-    """comps: completions that all have a prompt (rejected requests are left out before)."""
+    """comps: completions that all have a prompt (rejected requests are left out before) and a logprob per token
+    (a missing one is an error, never a silent 0)."""
     seqs = [c.prompt_token_ids + c.token_ids for c in comps]
     plens = [len(c.prompt_token_ids) for c in comps]
     start = min(plens) - 1  # first position whose logits predict a response token
@@ -55,14 +56,18 @@ def make_batch(comps, pad: int) -> Batch:
     for i, c in enumerate(comps):
         p, n = plens[i] - 1 - start, len(c.token_ids)
         mask[i, p : p + n] = 1.0
-        if len(c.logprobs) == n:
-            rollout[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        if len(c.logprobs) != n:  # a 0 would pass for log p = 0: TIS weights min(p, cap), a logprob_diff of -log p
+            raise ValueError(f"completion {i} of the batch has {len(c.logprobs)} rollout logprobs for its {n} tokens: "
+                             "the rollout must report the logprob of every token it drew (the update's importance "
+                             "weights and rollout/logprob_diff compare them with the trainer's)")
+        rollout[i, p : p + n] = torch.tensor(c.logprobs, dtype=torch.float32)
     return Batch(seqs, plens, mask, rollout, start, pad)
 
 
 def mask_truncated(batch: Batch, advantages: torch.Tensor, truncated: list[bool]) -> torch.Tensor:
     """DAPO's overlong filtering (TRL's `mask_truncated_completions`): a response cut at the length cap leaves the
-    loss. Its mask row is zeroed, so the token-mean normalisers do not count it, and its advantage becomes 0, so
+    loss. Its mask row is zeroed, so no normaliser counts it (token-mean's tokens, the seq-means' sequences:
+    algos.aggregate), and its advantage becomes 0, so
     `update_plan` does not compute it. Returns the advantages; the group's mean and std keep its reward, as in DAPO."""
     cut = torch.tensor(truncated, dtype=torch.bool)
     batch.mask[cut] = 0.0
@@ -100,9 +105,10 @@ def autocast_ctx(model, enabled: bool):
     return torch.autocast(device_type=model.device.type, dtype=torch.bfloat16)
 
 
-def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, autocast: bool = False,
+def sequence_logprobs(model, batch: Batch, idx: list[int], warp: Warp | float, autocast: bool = False,
                       chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask);
+    """Token logprobs and entropies [len(idx), T] of the response tokens of sequences idx (0 off the mask) under the
+    sampling distribution `warp` (logprobs.py: temperature, top-k, top-p; a float is a temperature alone);
     differentiable when grad is enabled."""
     dev = model.device
     T = batch.mask.shape[1]
@@ -110,13 +116,13 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], temperature: float, a
     with autocast_ctx(model, autocast):
         hidden = model.forward_shared(lay.tokens, lay.positions, lay.shared)  # the body only: rows go to the head
     h = hidden[lay.rows]
-    lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, temperature, chunk,
+    lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, warp, chunk,
                             torch.bfloat16 if autocast else None)
     zeros = torch.zeros(len(idx) * T, device=dev)
     return zeros.scatter(0, lay.cols, lp).view(-1, T), zeros.scatter(0, lay.cols, ent).view(-1, T)
 
 
-def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autocast: bool = False,
+def no_grad_logprobs(model, batch: Batch, micro: int, warp: Warp | float, autocast: bool = False,
                      idx: list[int] | None = None, tokens: int = 0) -> torch.Tensor:
     """Logprobs without a graph (old or reference logprobs): [B, T] of the whole batch, or [len(idx), T] of the
     sequences idx, in micro-batches of `micro` sequences or `tokens` packed tokens (`micro_batches`)."""
@@ -125,5 +131,5 @@ def no_grad_logprobs(model, batch: Batch, micro: int, temperature: float, autoca
     out = torch.zeros(len(idx), batch.mask.shape[1])
     with torch.inference_mode():
         for ids in micro_batches(batch, idx, micro, tokens):
-            out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+            out[[pos[i] for i in ids]] = sequence_logprobs(model, batch, ids, warp, autocast)[0].to(out.device)
     return out

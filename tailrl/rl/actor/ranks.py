@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward import Batch, micro_batches, sequence_logprobs
+from .logprobs import Warp
 
 
 @dataclass(frozen=True)
@@ -71,23 +72,23 @@ def rank_micros(ranks: Ranks, batch: Batch, rows: list[int], size: int, tokens: 
     return per[ranks.rank] + [None] * (most - len(per[ranks.rank]))
 
 
-def padding_pass(model, batch: Batch, temperature: float, autocast: bool, grad: bool) -> None:
+def padding_pass(model, batch: Batch, warp: Warp | float, autocast: bool, grad: bool) -> None:
     """A forward (and with grad a backward of 0 x the loss) on row 0: the collectives of a pass, no gradient."""
-    lp, _ = sequence_logprobs(model, batch, [0], temperature, autocast)
+    lp, _ = sequence_logprobs(model, batch, [0], warp, autocast)
     if grad:
         (lp.sum() * 0.0).backward()
 
 
-def shared_logprobs(ranks: Ranks, model, batch: Batch, micro: int, temperature: float, autocast: bool,
+def shared_logprobs(ranks: Ranks, model, batch: Batch, micro: int, warp: Warp | float, autocast: bool,
                     idx: list[int], tokens: int = 0) -> torch.Tensor:
     """No-grad logprobs [B, T] of the sequences idx (0 on the other rows), each computed by one rank, summed."""
     out = torch.zeros_like(batch.mask)
     with torch.no_grad():
         for ids in rank_micros(ranks, batch, idx, micro, tokens):
             if ids is None:
-                padding_pass(model, batch, temperature, autocast, grad=False)
+                padding_pass(model, batch, warp, autocast, grad=False)
                 continue
-            out[ids] = sequence_logprobs(model, batch, ids, temperature, autocast)[0].to(out.device)
+            out[ids] = sequence_logprobs(model, batch, ids, warp, autocast)[0].to(out.device)
     reshard(ranks, model)
     return ranks.all_reduce_(out)
 

@@ -17,14 +17,16 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
 
 import torch
 
-from ..algos import POLICY_LOSSES, aggregate, kl_penalty
+from ..algos import POLICY_LOSSES, aggregate, kl_penalty, loss_agg
 from .forward import Batch, sequence_logprobs
+from .logprobs import Warp
 from .packing import packed_tokens, segments
 from .precision import Precision
 from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, reshard, shared_logprobs
@@ -40,11 +42,18 @@ def mismatch(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Ten
 
 
 def loss_fn(algo) -> tuple:
-    """The policy loss `algo.loss` names (algos.py) and its clip range (clip_low, clip_high): PPO's, GSPO's own
-    (sequence ratios need far smaller clips), or CISPO's weight cap with no lower bound (clip_low 1)."""
+    """The policy loss `algo.loss` names (algos.py; PPO with its dual clip `algo.clip_ratio_c`) and its clip range
+    (clip_low, clip_high): PPO's, GSPO's own (sequence ratios need far smaller clips), or CISPO's weight cap with no
+    lower bound (clip_low 1)."""
     clips = {"ppo": (algo.clip_low, algo.clip_high), "gspo": (algo.gspo_clip_low, algo.gspo_clip_high),
              "cispo": (1.0, algo.cispo_clip_high)}
-    return POLICY_LOSSES[algo.loss], clips[algo.loss]
+    fn = POLICY_LOSSES[algo.loss]
+    return (functools.partial(fn, clip_c=algo.clip_ratio_c) if algo.loss == "ppo" else fn), clips[algo.loss]
+
+
+def _seqs(mask: torch.Tensor) -> int:
+    """Sequences with a token on the mask: the seq-mean aggregations' count (a row fully masked is in none)."""
+    return int((mask.sum(-1) > 0).sum())
 
 
 def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.Random,
@@ -69,9 +78,11 @@ def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.R
     return minis, live
 
 
-def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, temperature: float,
+def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: torch.Tensor, algo, warp: Warp | float,
                   rng: random.Random, timing: dict, ranks: Ranks = SINGLE) -> tuple[dict, str | None]:
-    """prec: the fp32 master (the optimizer's parameters) and the module that computes (precision.py); ref: a
+    """warp: the rollout's sampling distribution (temperature, top-k, top-p: logprobs.py), under which every
+    logprob here is computed, the reference's too (so its KL is 0 at the reference policy); prec: the fp32 master
+    (the optimizer's parameters) and the module that computes (precision.py); ref: a
     frozen reference module or None; ranks: this trainer rank among N data-parallel ones (ranks.py: each computes
     whole groups of every mini-batch, and every rank returns the same metrics and takes the same decision).
     Returns the step's actor metrics and, when no optimizer step was taken, why.
@@ -84,6 +95,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     mask = batch.mask
     minis, live = update_plan(batch.groups, advantages, a, rng, ref is not None)
     pg_loss, clips = loss_fn(a)
+    agg = loss_agg(a.loss, a.loss_agg)
     live_rows = [i for i in range(B) if live[i]]
     first = set(minis[0])
     t = time.perf_counter()
@@ -93,11 +105,11 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     if len(minis) > 1:
         need = [i for i in live_rows if i not in first]
         if need:
-            old_rest = shared_logprobs(ranks, policy, batch, a.micro_batch_size, temperature, autocast, need,
+            old_rest = shared_logprobs(ranks, policy, batch, a.micro_batch_size, warp, autocast, need,
                                        a.micro_batch_tokens)
     timing["timing_s/old_log_prob"] = time.perf_counter() - t
     t = time.perf_counter()
-    ref_lp = (shared_logprobs(ranks, ref, batch, a.micro_batch_size, temperature, autocast, list(range(B)),
+    ref_lp = (shared_logprobs(ranks, ref, batch, a.micro_batch_size, warp, autocast, list(range(B)),
                               a.micro_batch_tokens) if ref is not None else None)
     timing["timing_s/ref"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -106,18 +118,19 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     count = skipped = computed = 0
     reason = None
     for k, mini in enumerate(minis):
-        tokens_in_mini = float(mask[mini].sum().clamp_min(1))
+        tokens_in_mini, seqs_in_mini = float(mask[mini].sum().clamp_min(1)), max(_seqs(mask[mini]), 1)
         rows = [i for i in mini if live[i]]
         live_tokens = float(mask[rows].sum().clamp_min(1)) if rows else 1.0
+        live_seqs = max(_seqs(mask[rows]), 1) if rows else 1
         optimizer.zero_grad(set_to_none=True)
         prec.zero_grad()
         step = dict.fromkeys(sums, 0.0)
         for micro in rank_micros(ranks, batch, rows, a.micro_batch_size, a.micro_batch_tokens):
             if micro is None:  # this rank has fewer micro-batches than another: a pass that adds 0 (ranks.py)
-                padding_pass(policy, batch, temperature, autocast, grad=True)
+                padding_pass(policy, batch, warp, autocast, grad=True)
                 continue
             m = mask[micro].to(policy.device)
-            logp, ent = sequence_logprobs(policy, batch, micro, temperature, autocast)
+            logp, ent = sequence_logprobs(policy, batch, micro, warp, autocast)
             computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
             if k == 0:
                 old[micro] = logp.detach().to(old.device)
@@ -125,16 +138,16 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
             tis = None
             if a.tis_cap > 0:
                 tis = torch.exp(old_lp - batch.rollout_lp[micro].to(logp.device)).clamp(max=a.tis_cap) * m
-            loss, info = pg_loss(logp, old_lp, advantages[micro].to(logp.device), m, *clips, a.loss_agg, weights=tis)
-            kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, a.loss_agg) if ref_lp is not None else None
+            loss, info = pg_loss(logp, old_lp, advantages[micro].to(logp.device), m, *clips, agg, weights=tis)
+            kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, agg) if ref_lp is not None else None
             if kl is not None:
                 loss = loss + a.kl_coef * kl
             # weight micro losses so their sum is the mini-batch loss under the aggregation mode
-            w = float(m.sum()) / tokens_in_mini if a.loss_agg == "token-mean" else len(micro) / len(mini)
+            w = float(m.sum()) / tokens_in_mini if agg == "token-mean" else _seqs(m) / seqs_in_mini
             (loss * w).backward()
             prec.accumulate()
             # diagnostics are means over the sequences computed
-            ws = float(m.sum()) / live_tokens if a.loss_agg == "token-mean" else len(micro) / len(rows)
+            ws = float(m.sum()) / live_tokens if agg == "token-mean" else _seqs(m) / live_seqs
             step["actor/pg_loss"] += float(loss.detach()) * w
             step["actor/entropy"] += float(aggregate(ent.detach(), m, "token-mean")) * ws
             step["actor/kl"] += float(kl.detach()) * w if kl is not None else 0.0
