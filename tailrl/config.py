@@ -170,7 +170,9 @@ class TrainerCfg:
     save_every: int = 4  # steps; 0 = only at the end
     seed: int = 0  # rollout seeds, data order and initialisation
     out_dir: str = "runs/default"  # the run folder: metrics, checkpoints, report
-    resume: bool = False  # continue from the last checkpoint in out_dir
+    # continue from the last checkpoint in out_dir exactly as the run that never stopped. A larger trainer.steps than
+    # the checkpoint's run had follows another cosine schedule (algo.lr_schedule=cosine decays to trainer.steps)
+    resume: bool = False
     # resume a checkpoint whose trainer state is a pickle (trainer_state.pt, before issue 36): unpickling runs any code
     # in the file, so only for a folder you trust; the state is then rewritten as JSON + safetensors
     trust_pickled_state: bool = False
