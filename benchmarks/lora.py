@@ -1,5 +1,5 @@
 """LoRA against full fine-tuning: peak memory (the process's peak RSS) and the policy update's time per step, on
-SmolLM2-135M (real weights) and on Qwen2.5-1.5B's public configuration with random weights (benchmarks/models.py).
+SmolLM2-135M (real weights) and on Qwen2.5-1.5B's public configuration with random weights (benchmarks/gpu/models.py).
 
 Each variant runs in a process of its own (peak RSS is per process) and holds what a one-process run holds:
 - full: the fp32 master, its bf16 compute copy (which the engine also runs), AdamW's two fp32 moments and fp32
@@ -40,7 +40,7 @@ def mem_available() -> int:
 
 
 def model_config(name: str):
-    from benchmarks.models import RANDOM
+    from benchmarks.gpu.models import RANDOM
     from tailrl.model import ModelConfig, resolve_model_path
     from tailrl.model.load import _load_gguf
 
@@ -69,7 +69,7 @@ def estimate(name: str, rank: int) -> int:
 
 
 def build(name: str, dtype: torch.dtype):
-    from benchmarks.models import RANDOM
+    from benchmarks.gpu.models import RANDOM
     from tailrl.model import load_model
     from tailrl.model.llama import CausalLM
     from tailrl.model.load import build_model
