@@ -202,8 +202,8 @@ def cmd_generate(args) -> int:
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="sample completions for a prompts JSONL with the rollout engine")
-    g.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder, .gguf file or a LoRA adapter "
-                   "folder (PEFT's: its adapter_config.json names the base; merged on load)")
+    g.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder, .gguf file or a LoRA "
+                   "adapter folder (PEFT's: its adapter_config.json names the base; merged on load)")
     g.add_argument("--prompts", help="JSONL with a 'prompt' (text or chat messages) per row; default: built-in prompts")
     g.add_argument("--out", default="out/generate.jsonl")
     g.add_argument("--n", type=int, default=1, help="samples per prompt")

@@ -108,7 +108,8 @@ class Actor:
         """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own."""
         if self.lora:
             merge_into(self.policy, self.engine_model)
-            yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in self.engine_model.named_parameters()}
+            merged = self.engine_model.named_parameters()
+            yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in merged}
             return
         if self.ranks.world == 1:
             yield {n: p.detach() if dtype is None else p.detach().to(dtype) for n, p in self.policy.named_parameters()}
@@ -137,7 +138,8 @@ class Actor:
             from ...model import resolve_model_path
             from .lora_io import save_adapter, save_merged
 
-            save_adapter(self.policy, folder / "model", self.lora, str(Path(resolve_model_path(self.cfg.model.path)).resolve()))
+            base = str(Path(resolve_model_path(self.cfg.model.path)).resolve())
+            save_adapter(self.policy, folder / "model", self.lora, base)
             if final and self.lora.merged_export:
                 save_merged(self.policy, folder / "merged", self.tokenizer)
             return
