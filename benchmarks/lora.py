@@ -25,7 +25,6 @@ import resource
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
