@@ -141,15 +141,52 @@ def run_one(name: str, rank: int, prompts: int, n: int, resp: tuple, micro: int,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
 
 
+def pair(name: str, rank: int, repeats: int) -> None:
+    """Update time only, full and LoRA in one process, alternating (the same load on both); one prompt x 8 samples."""
+    import copy
+
+    from benchmarks.update import fake_completions
+    from tailrl.config import AlgoCfg
+    from tailrl.rl.actor.forward import make_batch
+    from tailrl.rl.actor.lora import add_adapters
+    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.rl.actor.precision import Precision, make_adamw
+    from tailrl.rl.actor.update import policy_update
+
+    watchdog()
+    torch.manual_seed(0)
+    base = build(name, torch.float32)
+    full = copy.deepcopy(base).requires_grad_(True)
+    lora = add_adapters(base.to(torch.bfloat16), LoraCfg(rank=rank, alpha=2 * rank))
+    pl = Precision(lora, "float32")
+    pl.mode = "bfloat16"
+    arms = {"full": (Precision(full, "bfloat16"), make_adamw(list(full.parameters()), lr=1e-5)),
+            f"lora-{rank}": (pl, make_adamw([p for p in lora.parameters() if p.requires_grad], lr=1e-5))}
+    batch = make_batch(fake_completions(full.config.vocab_size, 1, 8, plen=(50, 70), rlen=(30, 100)), pad=0)
+    algo = AlgoCfg(mini_batch_size=len(batch), micro_batch_size=8)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+    times = {k: [] for k in arms}
+    for _ in range(1 + repeats):
+        for k, (prec, opt) in arms.items():
+            t = time.perf_counter()
+            policy_update(prec, opt, None, batch, adv, algo, 1.0, random.Random(0), {})
+            times[k].append(time.perf_counter() - t)
+    for k, v in times.items():
+        print(f"{k:<8} update s {sum(v[1:]) / repeats:.2f} (each: {', '.join(f'{x:.2f}' for x in v[1:])})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
     ap.add_argument("--ranks", default="8,64")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-full", action="store_true", help="the LoRA ranks only")
+    ap.add_argument("--pair", type=int, default=0, help="rank R: time full and LoRA-R alternately in one process")
     ap.add_argument("--reserve-gb", type=float, default=3.0, help="memory left to the machine's other users")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # name:rank:prompts:n:rlo:rhi:micro (child)
     args = ap.parse_args()
+    if args.pair:
+        return pair(args.models.split(",")[0], args.pair, args.repeats)
     if args.one:
         name, rank, p, n, lo, hi, micro = args.one.split(":")
         print(json.dumps(run_one(name, int(rank), int(p), int(n), (int(lo), int(hi)), int(micro), args.repeats)))
