@@ -16,6 +16,7 @@ from .config_help import REMOVED, choice_problem, did_you_mean, or_list
 from .config_values import ConfigError, coerce, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
+from .rl.agent.config import AgentConfig, agent_problem
 from .speculative.config import SpecConfig
 
 
@@ -203,6 +204,7 @@ class Config:
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # the learned drafter (off by default)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # rollout.workers > 1: placement, migration, Ray
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn tool rollouts (off: no tools)
 
     def validate(self) -> None:
         a = self.algo
@@ -219,8 +221,8 @@ class Config:
              f">= 0 (0 = off) and below rollout.max_tokens ({self.rollout.max_tokens})"),
             (0 <= self.reward.overlong_penalty < math.inf, "reward.overlong_penalty", ">= 0 and finite"),
             (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),
-            (self.rollout.temperature > 0, "rollout.temperature",
-             "> 0 for training (the policy-gradient loss needs the sampling distribution; 0 is greedy)"),
+            (self.rollout.temperature > 0, "rollout.temperature", "> 0 for training (the policy-gradient loss needs the "
+             "sampling distribution; 0 is greedy)"),
             (math.isfinite(self.rollout.temperature), "rollout.temperature", "finite"),
             (all(math.isfinite(w) for w in self.reward.weights), "reward.weights", "finite numbers"),
             (not self.reward.weights or len(self.reward.weights) == len(self.reward.functions), "reward.weights",
@@ -230,9 +232,8 @@ class Config:
              "> 0 (and reward.max_failed_steps >= 1)"),
             (math.isfinite(a.lr) and math.isfinite(a.grad_clip) and a.grad_clip > 0, "algo.grad_clip",
              "finite and > 0 (and algo.lr finite)"),
-            (self.data.num_eval >= 1 or not self.trainer.eval_every, "data.num_eval",
-             f">= 1 while trainer.eval_every={self.trainer.eval_every} (set trainer.eval_every=0 to train without "
-             "evaluation)"),
+            (self.data.num_eval >= 1 or not self.trainer.eval_every, "data.num_eval", f">= 1 while trainer.eval_every="
+             f"{self.trainer.eval_every} (set trainer.eval_every=0 to train without evaluation)"),
             (self.data.num_eval >= 0 and self.data.max_prompt_tokens >= 1, "data.num_eval", ">= 0"),
             (self.rollout.max_tokens >= 1, "rollout.max_tokens", ">= 1"),
             (self.rollout.workers >= 1 and self.rollout.worker_threads >= 1, "rollout.workers",
@@ -252,8 +253,7 @@ class Config:
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
             (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
-            (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried "
-             "response restarts)"),
+            (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried response restarts)"),
             (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
@@ -261,6 +261,8 @@ class Config:
         for ok, key, what in checks:
             if not ok:
                 raise ConfigError(f"bad value for {key}: must be {what}")
+        if why := agent_problem(self):
+            raise ConfigError(why)
         from .engine import SamplingParams
 
         try:
@@ -336,8 +338,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
         _set(cfg, key.strip().split("."), override_value(raw), key.strip())
     if why := choice_problem(cfg):
         raise ConfigError(why)
-    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
-                             (cfg, "cluster", ClusterConfig)):  # nested settings validate themselves on construction
+    # nested settings validate themselves on construction
+    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig), (cfg, "cluster", ClusterConfig),
+                             (cfg, "agent", AgentConfig)):
         try:
             setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
         except ValueError as e:

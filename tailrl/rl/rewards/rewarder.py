@@ -32,6 +32,9 @@ class Rewarder:
         columns = {"answer": [examples[c.prompt_index].answer for c in comps]}
         for key in examples[0].columns:
             columns[key] = [examples[c.prompt_index].columns.get(key) for c in comps]
+        if any(c.trajectory is not None for c in comps):  # multi-turn: the whole conversation and its tool calls
+            columns["conversation"] = [(c.trajectory or {}).get("conversation") for c in comps]
+            columns["tool_calls"] = [(c.trajectory or {}).get("tool_calls", []) for c in comps]
         total, st = self.runner(prompts, texts, columns)
         correct = [self.verifier(t, **{k: v[i] for k, v in columns.items()}) for i, t in enumerate(texts)]
         over = {}
