@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
 from ...engine import Completion, Completions, GenerateStats, SamplingParams
 from ...engine.tail import tail_size
@@ -57,10 +57,11 @@ class AgentLoop:
     # ---- the loop ---------------------------------------------------------------------------------------------
 
     def run(self, engine, prompts: list[list[int]], messages: list[list[dict]], params: list[SamplingParams],
-            on_step=None) -> tuple[Completions, list, dict]:
+            on_step=None, lock_step: bool = False) -> tuple[Completions, list, dict]:
         """Runs every prompt's params.n trajectories to their end; returns (one Completion per trajectory in
         (prompt, sample) order, the engine's step records, the agent/* metrics). on_step(out): told of each
-        engine step (the rollout feeds its lender, and so on)."""
+        engine step (the rollout feeds its lender, and so on). lock_step: the baseline of benchmarks/agent.py (TRL's
+        loop): no trajectory resumes before every turn in flight has ended and every tool has answered."""
         t0 = time.perf_counter()
         base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop) for p in params]
         trajs: list[Trajectory] = []
@@ -77,11 +78,14 @@ class AgentLoop:
         stats = GenerateStats(tail_size=tail_size(len(trajs)))
         records, pending = [], {}
         while engine.has_work() or pending:
-            for fut in [f for f in pending if f.done()]:
+            ready = [f for f in pending if f.done()]
+            if lock_step and (engine.has_work() or len(ready) < len(pending)):
+                ready = []
+            for fut in ready:
                 self._resume(engine, *pending.pop(fut), fut.result(), owner)
             if not engine.has_work():
                 if pending:
-                    wait(list(pending), return_when=FIRST_COMPLETED)
+                    wait(list(pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
                 continue
             out = engine.step()
             stats.add(out.record)
