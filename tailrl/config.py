@@ -105,13 +105,10 @@ class AlgoCfg:
     loss: str = "ppo"
     gspo_clip_low: float = 3e-4  # loss=gspo: the sequence ratio's clip below 1 (the paper's 5.1, verl's gspo recipe)
     gspo_clip_high: float = 4e-4  # loss=gspo: its clip above 1 (clip_low/high apply to ppo only)
-    # loss=cispo: the weight is capped at 1 + this; no lower bound. 0.2 (a cap of 1.2): at ScaleRL's and SkyRL's 4
-    # (arXiv 2510.13786) one default run of 3 collapsed to 0 held-out at step 4; at 0.2 none did, mean 0.68 at step
-    # 16 against PPO's 0.69 (benchmarks/RESULTS.md 19). 4.0 reproduces ScaleRL
+    # loss=cispo: the weight is capped at 1 + this; no lower bound. 0.2: at ScaleRL's 4 (arXiv 2510.13786) one default
+    # run of 3 collapsed at step 4; at 0.2 none did, 0.68 at step 16 against PPO's 0.69 (benchmarks/RESULTS.md 19)
     cispo_clip_high: float = 0.2
-    # auto: each loss's own (token-mean; gspo: seq-mean-token-mean, its paper's and verl's) | token-mean |
-    # seq-mean-token-mean | seq-mean-token-sum (the seq-means count only sequences with a token on the mask)
-    loss_agg: str = "auto"
+    loss_agg: str = "auto"  # auto (gspo's paper: seq-mean-token-mean, else token-mean) | token-mean | seq-mean-token-mean | seq-mean-token-sum
     clip_ratio_c: float = 0.0  # dual-clip PPO (verl's clip_ratio_c, 3 there): loss <= -A * c where A < 0; 0 = off
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     kl_type: str = "k3"  # k1 | k3
@@ -135,10 +132,9 @@ class AlgoCfg:
     # DAPO's overlong filtering (TRL's mask_truncated_completions): a response cut at rollout.max_tokens leaves the
     # loss (advantage 0, in no normaliser), since its reward judges an answer it never finished
     mask_truncated: bool = False
-    # DAPO's dynamic sampling (verl's filter_groups): a group whose samples do not differ in filter_metric leaves the
-    # batch, and rounds of trainer.prompts_per_step more prompts run until that many informative groups are in hand
-    # or max_gen_rounds rounds ran (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups,
-    # rollout/round_limit)
+    # DAPO's dynamic sampling (verl's filter_groups): groups alike in filter_metric leave the batch; rounds of
+    # trainer.prompts_per_step more prompts run until that many informative ones are in hand or max_gen_rounds ran
+    # (rl/dynamic.py; metrics rollout/gen_rounds, rollout/filtered_groups, rollout/round_limit)
     dynamic_sampling: bool = False
     filter_metric: str = "acc"  # acc (DAPO's, verl's metric=acc: reward.accuracy's verifier) | reward (the total)
     max_gen_rounds: int = 4  # dynamic sampling's rounds per step at most (each costs a rollout)
@@ -171,7 +167,9 @@ class TrainerCfg:
     save_every: int = 4  # steps; 0 = only at the end
     seed: int = 0  # rollout seeds, data order and initialisation
     out_dir: str = "runs/default"  # the run folder: metrics, checkpoints, report
-    resume: bool = False  # continue from the last checkpoint in out_dir
+    # continue from the last checkpoint in out_dir exactly as the run that never stopped. A larger trainer.steps than
+    # the checkpoint's run had follows another cosine schedule (algo.lr_schedule=cosine decays to trainer.steps)
+    resume: bool = False
     # resume a checkpoint whose trainer state is a pickle (trainer_state.pt, before issue 36): unpickling runs any code
     # in the file, so only for a folder you trust; the state is then rewritten as JSON + safetensors
     trust_pickled_state: bool = False

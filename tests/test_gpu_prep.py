@@ -1,4 +1,4 @@
-"""benchmarks/gpu_pieces.py, which carries vLLM's wheels to a lent GPU machine in pieces: split, add, join, checked."""
+"""benchmarks/gpu/pieces.py, which carries vLLM's wheels to a lent GPU machine in pieces: split, add, join, checked."""
 
 import importlib.util
 import json
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("gpu_pieces", Path(__file__).parent.parent / "benchmarks" / "gpu_pieces.py")
+_PIECES = Path(__file__).parent.parent / "benchmarks" / "gpu" / "pieces.py"
+_spec = importlib.util.spec_from_file_location("gpu_pieces", _PIECES)
 gp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gp)
 

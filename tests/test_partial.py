@@ -289,7 +289,8 @@ def test_staleness_is_over_the_trained_tokens_when_a_round_is_served_from_the_bu
     informative group drawn 2 versions ago and one without a spread; later rounds draw fresh groups. The staleness
     metrics are over the tokens the update trains, the buffered group's included (merged by tokens drawn, it read 0)."""
     tr = Trainer(tiny_cfg(tiny_chat, task_file, tmp_path, *PARTIAL, "algo.dynamic_sampling=true",
-                          "trainer.prompts_per_step=2", "reward.functions=[tests.test_partial:text_len]"))
+                          "trainer.prompts_per_step=2", "reward.functions=[tests.test_partial:text_len]",
+                          "algo.filter_metric=reward"))
     try:
         tr.step = 2
         for i, texts in enumerate((["a", "bb", "a", "ccc"], ["a"] * 4)):  # informative, then all equal (filtered)

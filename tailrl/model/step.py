@@ -79,7 +79,7 @@ def make_step(
     causal among themselves. A tree is either tree_parents [B, max_q] (see tree_ancestors; positions then
     become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j).
     When every cache_len is 0 and there is no tree, the step is `causal` and carries no mask (causal=False
-    builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu.py).
+    builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu/cost.py).
     invariant: the batch-invariant pass (engine/invariant.py): attention over each sequence's own keys in fixed
     chunks (model/chunked.py, no dense mask) and matrix products on whole row tiles; slots need not be contiguous."""
     dev = torch.device(device)

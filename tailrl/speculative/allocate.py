@@ -4,10 +4,11 @@ allocation, vLLM's per-slot survival budget under a profiled cost model).
 
 Every verified node is a row of the pass: forward time and sampling over the vocabulary, whatever its odds. At the
 batches a rollout starts with (30-64 sequences) a row costs a fifth to a third of a plain sequence-step on a CPU
-(benchmarks/verify_cost.py), so a fixed budget for every sequence pays for the rows a drafter merely guesses at, and
-speculation there broke even. A node's survival (the odds that it and all its ancestors are accepted) is the
-product along its path of its calibrated conditional odds; the slots of all sequences then compete for rows, best
-first, and the step verifies the prefix of that ranking that maximises (B + sum of survivals) / predicted seconds.
+(benchmarks/verify_cost.py, in git at 103a651), so a fixed budget for every sequence pays for the rows a drafter
+merely guesses at, and speculation there broke even. A node's survival (the odds that it and all its ancestors are
+accepted) is the product along its path of its calibrated conditional odds; the slots of all sequences then compete
+for rows, best first, and the step verifies the prefix of that ranking that maximises (B + sum of survivals) /
+predicted seconds.
 
 Lossless: only deterministic drafts (no draft distribution q) are cut. A deterministic draft may be any function of
 the context, and the verifier emits the target's own draws whatever it verifies (with batch-invariant passes, the

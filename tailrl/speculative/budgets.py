@@ -78,7 +78,8 @@ def block_budget(n: int, block: int) -> int:
     whole blocks of `block` rows (n = block * j - 1), or n itself below one block. A batch-invariant verifier
     (model/chunked.py) attends over a sequence's keys once per block of QUERY_BLOCK rows, whether the block holds 1
     row or all of them, and at long contexts that is most of a pass: a chain of 4 (5 rows, 2 blocks) cost 1.7-2.2x a
-    plain step and a chain of 3 (1 block) 1.05-1.25x, at 4-32 sequences over 900 tokens (benchmarks/verify_cost.py)."""
+    plain step and a chain of 3 (1 block) 1.05-1.25x, at 4-32 sequences over 900 tokens (benchmarks/verify_cost.py,
+    in git at 103a651)."""
     if block <= 1 or n < block:
         return n
     return (n + 1) // block * block - 1

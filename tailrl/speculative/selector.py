@@ -209,7 +209,8 @@ class Selector:
     def cheap_rows(self, B: int, rows: int, slack: float = 1.15) -> bool:
         """Whether a forward of `rows` rows over B sequences is predicted to cost at most `slack` times a plain step
         of the B (the long tail on a CPU, where a pass streams the weights once whatever its few rows:
-        benchmarks/verify_cost.py). False while the cost of rows and of sequences is not yet told apart."""
+        benchmarks/verify_cost.py, in git at 103a651). False while the cost of rows and of sequences is not yet told
+        apart."""
         plain, wide = self.pass_cost.predict(B, B), self.pass_cost.predict(rows, B)
         return plain is not None and wide is not None and plain > 0 and wide <= slack * plain
 

@@ -27,9 +27,10 @@ class StepCost:
         c * B + r * (rows - B) + v * [it verifies any draft row] + u * units,
     fitted per batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local,
     because what a draft row costs relative to a sequence changes with the batch: in the tail a pass streams the
-    weights whatever its few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py),
-    and one global line through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where they cost 0.4 and 25.
-    The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the cache) off the rows.
+    weights whatever its few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py,
+    in git at 103a651), and one global line through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where
+    they cost 0.4 and 25. The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the
+    cache) off the rows.
     `units` are the key chunks the pass's attention reads (attention_units): a sequence's cost grows with what it
     holds (a plain step of 8 sequences over 900 tokens took 67 ms, over 100 tokens about 30), and in a
     batch-invariant pass a draft that spills into a second query block reads every chunk again. Without it a bucket's

@@ -6,9 +6,9 @@ on CPU, eager unpadded against eager padded to the bucket (the padding's own cos
 `prefill`: whole prompts from position 0, the causal kernel (SDPA is_causal over per-sequence padded q/k/v)
 against the dense [N, 1, L, L] mask over the cache (the path before issue 11).
 
-    .venv/bin/python benchmarks/gpu.py cost [--model smollm2-135m|qwen2.5-1.5b|qwen3-8b] [--device cuda] [--ctx 200]
-    .venv/bin/python benchmarks/gpu.py cost --reps 3 --max-pass 128      # the CPU table (passes up to 128 tokens)
-    .venv/bin/python benchmarks/gpu.py prefill [--device cuda]
+    .venv/bin/python benchmarks/gpu/cost.py cost [--model smollm2-135m|qwen2.5-1.5b|qwen3-8b] [--device cuda] [--ctx 200]
+    .venv/bin/python benchmarks/gpu/cost.py cost --reps 3 --max-pass 128      # the CPU table (passes up to 128 tokens)
+    .venv/bin/python benchmarks/gpu/cost.py prefill [--device cuda]
 """
 
 from __future__ import annotations

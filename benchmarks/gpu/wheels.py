@@ -1,9 +1,9 @@
 """What vLLM needs on a lent GPU machine (Python 3.12, torch 2.11.0+cu130, no vLLM, no internet) that its image
-lacks, downloaded here: benchmarks/gpu_vllm.sh's `prepare` (benchmarks/gpu_pieces.py then cuts it into pieces).
+lacks, downloaded here: benchmarks/gpu/vllm.sh's `prepare` (benchmarks/gpu/pieces.py then cuts it into pieces).
 
-    python benchmarks/gpu_wheels.py plan VLLM_WHEEL     # vLLM's Requires-Dist: carried / the image has it / left out
-    python benchmarks/gpu_wheels.py fetch VERSION DL    # vLLM's wheel + what it needs + arctic-inference's sdist -> DL
-    python benchmarks/gpu_wheels.py check DL            # every wheel fits CPython 3.12 manylinux x86_64 (by its tags)
+    python benchmarks/gpu/wheels.py plan VLLM_WHEEL     # vLLM's Requires-Dist: carried / the image has it / left out
+    python benchmarks/gpu/wheels.py fetch VERSION DL    # vLLM's wheel + what it needs + arctic-inference's sdist -> DL
+    python benchmarks/gpu/wheels.py check DL            # every wheel fits CPython 3.12 manylinux x86_64 (by its tags)
 
 `fetch` resolves with pip's own resolver (metadata only) for CPython 3.12 on manylinux x86_64, the image's torch stack
 stood in for by empty local wheels, then downloads with --no-deps only what is neither the image's torch stack nor in

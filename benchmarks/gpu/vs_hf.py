@@ -8,8 +8,8 @@ a 1-token one, so prefill is left out alike), and the long-tailed batch of bench
 28 x 32 + 4 x 256 tokens; useful tokens over wall time; HF batches statically). tailrl with CUDA graphs on and
 off (on CPU only "off" runs), against HF `generate`.
 
-    .venv/bin/python benchmarks/gpu_vs_hf.py parity [--model smollm2-135m] [--device cuda] [--dtype bfloat16]
-    .venv/bin/python benchmarks/gpu_vs_hf.py speed [--model qwen2.5-1.5b] [--tokens 128]
+    .venv/bin/python benchmarks/gpu/vs_hf.py parity [--model smollm2-135m] [--device cuda] [--dtype bfloat16]
+    .venv/bin/python benchmarks/gpu/vs_hf.py speed [--model qwen2.5-1.5b] [--tokens 128]
 """
 
 from __future__ import annotations

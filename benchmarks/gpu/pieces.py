@@ -1,11 +1,11 @@
 """A folder of files carried to a lent GPU machine in pieces of at most 60 MiB, one per device call (a call carries
-at most 64 MiB): benchmarks/gpu_vllm.sh's carrier for vLLM's wheels and the SmolLM2 GGUF. Standard library only:
+at most 64 MiB): benchmarks/gpu/vllm.sh's carrier for vLLM's wheels and the SmolLM2 GGUF. Standard library only:
 the device's Python runs `add` and `join`.
 
-    python benchmarks/gpu_pieces.py split SRC DIR [--piece-mib 60]  # SRC's files -> DIR/part_NN/{piece_NN,manifest.json}
-    python benchmarks/gpu_pieces.py add DIR STORE      # copy the pieces found under DIR (or DIR itself) into STORE
-    python benchmarks/gpu_pieces.py join STORE DEST    # all pieces there: join, check, unpack into DEST, check
-    python benchmarks/gpu_pieces.py calls DIR...       # the part folders grouped into device calls of <= 61 MiB
+    python benchmarks/gpu/pieces.py split SRC DIR [--piece-mib 60]  # SRC's files -> DIR/part_NN/{piece_NN,manifest.json}
+    python benchmarks/gpu/pieces.py add DIR STORE      # copy the pieces found under DIR (or DIR itself) into STORE
+    python benchmarks/gpu/pieces.py join STORE DEST    # all pieces there: join, check, unpack into DEST, check
+    python benchmarks/gpu/pieces.py calls DIR...       # the part folders grouped into device calls of <= 61 MiB
 
 `split` packs SRC's files into one uncompressed tar (wheels are zips already) and cuts it into pieces; every part
 folder holds one piece and the same manifest (sha256 and size of each piece, of the whole tar and of each file), so
