@@ -145,9 +145,45 @@ def test_a_users_tool_from_the_command_line_is_called(tool_chat, tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(None, ["agent.tools=[mytools_agent:lookup]"])
     assert cfg.agent.tools == ["mytools_agent:lookup"]
-    loop, comps, m = run_loop(tool_chat, "off", tools=cfg.agent.tools, n=6)
+    loop, comps, m = run_loop(tool_chat, "off", tools=cfg.agent.tools, n=8)
     called = [x for c in comps for x in c.trajectory["tool_calls"] if x["status"] == "ok"]
-    assert len(sys.modules["mytools_agent"].CALLS) == len(called)
+    # statistical, fixed seeds: 24 trajectories of 40 tokens from a 31-word random model write <lookup> ... </lookup>
+    # in a few of them (3 of 18 at n=6 here); none in all 24 would be a loop that drops calls
+    assert called and len(sys.modules["mytools_agent"].CALLS) == len(called)
     assert all(x["result"] == "found " + x["arguments"]["key"] for x in called)
     with pytest.raises(ValueError, match="does not import"):
         load_tools(["no_such_module_xyz:lookup"])
+
+
+# ---- rewards and the task -----------------------------------------------------------------------------------------
+
+def new_style(prompts, completions, answer, conversation, tool_calls):
+    return [float(len(t)) + 10 * (conv[-1]["role"] == "assistant") for conv, t in zip(conversation, tool_calls)]
+
+
+def old_style(prompts, completions, answer):
+    return [1.0 for _ in completions]
+
+
+def test_reward_functions_get_the_conversation_only_if_they_take_it():
+    from tailrl.rl.rewards.runner import _call_user
+
+    conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 1"}]]
+    cols = {"answer": ["1"], "conversation": conv, "tool_calls": [[{"name": "calculator"}, {"name": "calculator"}]]}
+    assert _call_user("tests.test_agent_loop:new_style", ["q"], ["#### 1"], cols) == ("ok", [12.0])
+    assert _call_user("tests.test_agent_loop:old_style", ["q"], ["#### 1"], cols) == ("ok", [1.0])
+
+
+def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
+    from tailrl.rl.tasks import split_rows
+
+    train, evals = split_rows("tool_arithmetic", 16, 8)
+    assert not {r["question"] for r in train} & {r["question"] for r in evals}
+    for r in train + evals:
+        msgs = r["prompt"]
+        assert msgs[0]["role"] == "system" and "<calc>" in msgs[0]["content"]
+        assert [m["role"] for m in msgs[1:9]] == ["user", "assistant", "user", "assistant"] * 2
+        assert msgs[2]["content"] == "<calc>482*17</calc>" and msgs[3]["content"] == f"<result>{482 * 17}</result>"
+        a, op, b = r["question"][len("What is "):-1].split()
+        assert 100 <= int(a) and int(r["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b),
+                                                     "*": int(a) * int(b)}[op]

@@ -38,5 +38,5 @@ def pick_samples(step: int, prompts: list, comps, rewards: list[float], correct:
              **({"policy_versions": comps[i].stats["policy_versions"]} if "policy_versions" in (comps[i].stats or {})
                 else {}),
              # multi-turn: the conversation (prompt, model turns, observations) and the tool calls made
-             **(comps[i].trajectory or {})}
+             **(getattr(comps[i], "trajectory", None) or {})}
             for i in picks]
