@@ -19,7 +19,6 @@ from .presets import preset_file, preset_names
 from .rl.agent.config import AgentConfig, agent_problem
 from .speculative.config import SpecConfig
 
-
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
 
 
@@ -256,10 +255,8 @@ class Config:
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
         ]
-        for ok, key, what in checks:
-            if not ok:
-                raise ConfigError(f"bad value for {key}: must be {what}")
-        if why := agent_problem(self):
+        problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
+        if why := next((p for p in problems if p), None):
             raise ConfigError(why)
         from .engine import SamplingParams
 
@@ -336,9 +333,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
         _set(cfg, key.strip().split("."), override_value(raw), key.strip())
     if why := choice_problem(cfg):
         raise ConfigError(why)
-    # nested settings validate themselves on construction
-    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig), (cfg, "cluster", ClusterConfig),
-                             (cfg, "agent", AgentConfig)):
+    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
+                             (cfg, "cluster", ClusterConfig), (cfg, "agent", AgentConfig)):  # validate on construction
         try:
             setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
         except ValueError as e:
