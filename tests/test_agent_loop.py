@@ -20,12 +20,16 @@ WORDS = TINY_WORDS + ["<calc>", "</calc>", "<lookup>", "</lookup>", "<|system|>"
 
 
 @pytest.fixture(scope="module")
-def tool_chat(tmp_path_factory):
+def tool_chat_folder(tmp_path_factory):
     """A tiny chat model whose vocabulary has the tags: its random draws write calls, good and malformed."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=WORDS))
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tool_chat_folder):
     from tailrl.model import load_model
 
-    folder = make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=WORDS)
-    return load_model(str(folder), device="cpu", dtype=torch.float32)
+    return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)
 
 
 # ---- config -------------------------------------------------------------------------------------------------------
@@ -187,3 +191,20 @@ def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
         a, op, b = r["question"][len("What is "):-1].split()
         assert 100 <= int(a) and int(r["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b),
                                                      "*": int(a) * int(b)}[op]
+
+
+@pytest.mark.slow
+def test_a_training_step_with_tools_logs_agent_metrics_and_trajectories(tool_chat_folder, task_file, tmp_path):
+    from tailrl.rl.trainer import Trainer
+    from tests.rl_helpers import small_cfg
+
+    cfg = small_cfg(tool_chat_folder, task_file, tmp_path / "run", "agent.tools=[calculator]", "rollout.max_tokens=24",
+                    "trainer.steps=1", "model.dtype=float32")
+    tr = Trainer(cfg)
+    try:
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert {"agent/turns", "agent/tool_calls", "agent/masked_share", "agent/tail_share"} <= set(m)
+    assert m["agent/turns"] >= 1 and "actor/pg_loss" in m
+    assert tr.samples and all("conversation" in r and "tool_calls" in r for r in tr.samples)
