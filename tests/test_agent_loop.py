@@ -208,3 +208,19 @@ def test_a_training_step_with_tools_logs_agent_metrics_and_trajectories(tool_cha
     assert {"agent/turns", "agent/tool_calls", "agent/masked_share", "agent/tail_share"} <= set(m)
     assert m["agent/turns"] >= 1 and "actor/pg_loss" in m
     assert tr.samples and all("conversation" in r and "tool_calls" in r for r in tr.samples)
+
+
+def test_the_report_shows_a_trajectory_with_its_tool_calls(tmp_path):
+    import json
+
+    from tailrl.report import sample_lines
+
+    conv = [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "<calc>1+2</calc>"},
+            {"role": "user", "content": "<result>3</result>"}, {"role": "assistant", "content": "#### 3"}]
+    row = {"step": 1, "prompt": "What is 1+2?", "completion": "<calc>1+2</calc>\n#### 3", "reward": 1.0, "length": 20,
+           "conversation": conv, "turns": 2, "prompt_messages": 1,
+           "tool_calls": [{"name": "calculator", "arguments": {"expression": "1+2"}, "result": "3", "status": "ok"}]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(row) + "\n")
+    text = "\n".join(sample_lines(tmp_path))
+    assert "[assistant] <calc>1+2</calc>\n[tool result] <result>3</result>\n[assistant] #### 3" in text
+    assert "(1 tool call: calculator ok)" in text
