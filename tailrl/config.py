@@ -1,5 +1,4 @@
 """Training configuration: nested dataclasses, read from YAML and overridden with dotted `key.sub=value`.
-
 An unknown key is a one-line error with the nearest valid keys ("did you mean algo.lr?"); a value of the wrong type
 or outside a key's choices names the key (and the choices)."""
 
@@ -17,6 +16,7 @@ from .config_values import ConfigError, coerce, override_value, parse_yaml  # no
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
 from .rl.actor.lora_config import ActorCfg
+from .rl.agent.config import AgentConfig, agent_problem
 from .speculative.config import SpecConfig
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
@@ -202,6 +202,7 @@ class Config:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)  # the learned drafter (off by default)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # rollout.workers > 1: placement, migration, Ray
     actor: ActorCfg = field(default_factory=ActorCfg)  # the policy's trainable parameters (LoRA)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn tool rollouts (off: no tools)
 
     def validate(self) -> None:
         a = self.algo
@@ -218,8 +219,8 @@ class Config:
              f">= 0 (0 = off) and below rollout.max_tokens ({self.rollout.max_tokens})"),
             (0 <= self.reward.overlong_penalty < math.inf, "reward.overlong_penalty", ">= 0 and finite"),
             (self.rollout.n >= 2, "rollout.n", ">= 2 (group-relative advantages need a group)"),
-            (self.rollout.temperature > 0, "rollout.temperature",
-             "> 0 for training (the policy-gradient loss needs the sampling distribution; 0 is greedy)"),
+            (self.rollout.temperature > 0, "rollout.temperature", "> 0 for training (the policy-gradient loss needs the "
+             "sampling distribution; 0 is greedy)"),
             (math.isfinite(self.rollout.temperature), "rollout.temperature", "finite"),
             (all(math.isfinite(w) for w in self.reward.weights), "reward.weights", "finite numbers"),
             (not self.reward.weights or len(self.reward.weights) == len(self.reward.functions), "reward.weights",
@@ -229,9 +230,8 @@ class Config:
              "> 0 (and reward.max_failed_steps >= 1)"),
             (math.isfinite(a.lr) and math.isfinite(a.grad_clip) and a.grad_clip > 0, "algo.grad_clip",
              "finite and > 0 (and algo.lr finite)"),
-            (self.data.num_eval >= 1 or not self.trainer.eval_every, "data.num_eval",
-             f">= 1 while trainer.eval_every={self.trainer.eval_every} (set trainer.eval_every=0 to train without "
-             "evaluation)"),
+            (self.data.num_eval >= 1 or not self.trainer.eval_every, "data.num_eval", f">= 1 while trainer.eval_every="
+             f"{self.trainer.eval_every} (set trainer.eval_every=0 to train without evaluation)"),
             (self.data.num_eval >= 0 and self.data.max_prompt_tokens >= 1, "data.num_eval", ">= 0"),
             (self.rollout.max_tokens >= 1, "rollout.max_tokens", ">= 1"),
             (self.rollout.workers >= 1 and self.rollout.worker_threads >= 1, "rollout.workers",
@@ -251,17 +251,15 @@ class Config:
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
             (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
-            (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried "
-             "response restarts)"),
+            (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried response restarts)"),
             (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights; partial rollouts run on our engine, in process or on Ray workers)"),
         ]
-        for ok, key, what in checks:
-            if not ok:
-                raise ConfigError(f"bad value for {key}: must be {what}")
+        problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
+        if why := next((p for p in problems if p), None):
+            raise ConfigError(why)
         from .engine import SamplingParams
-
         try:
             SamplingParams(n=self.rollout.n, max_tokens=self.rollout.max_tokens, temperature=self.rollout.temperature,
                            top_p=self.rollout.top_p, top_k=self.rollout.top_k)
@@ -336,7 +334,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), preset: str 
     if why := choice_problem(cfg):
         raise ConfigError(why)
     for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
-                             (cfg, "cluster", ClusterConfig), (cfg, "actor", ActorCfg)):  # nested settings validate themselves on construction
+                             (cfg, "cluster", ClusterConfig), (cfg, "actor", ActorCfg),
+                             (cfg, "agent", AgentConfig)):  # nested settings validate themselves on construction
         try:
             setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
         except ValueError as e:

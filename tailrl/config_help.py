@@ -59,6 +59,7 @@ GROUPS = {
     "trainer": "steps, prompts per step, eval/save cadence, run folder, resume, loggers (console/jsonl/tensorboard/wandb)",
     "drafter": "the learned EAGLE drafter (off by default): warm start, online spot training",
     "cluster": "several rollout workers (rollout.workers > 1): Ray address, placement, migration",
+    "agent": "multi-turn tool rollouts (docs/agents.md): tools, turns, call format, observation truncation, tool pool",
 }
 
 
@@ -76,6 +77,8 @@ CHOICES = {
     "algo.loss": ("ppo", "gspo", "cispo"),
     "algo.lr_schedule": ("constant", "cosine"),
     "algo.kl_type": ("k1", "k3"),
+    "agent.format": ("tags", "hermes"),
+    "agent.truncate_side": ("left", "right", "middle"),
     "reward.accuracy": ("auto", "math", "math_strict", "countdown", "verl"),
     "cluster.placement": PLACEMENTS,
     "trainer.loggers": LOGGERS,

@@ -182,5 +182,16 @@ def sample_lines(run_dir: Path) -> list[str]:
                     f"{r.get('length', '?')} tokens, {r.get('finish_reason', '?')})")
             out += [head, "",
                     "> " + r["prompt"].strip().replace("\n", "\n> "), "", "```text",
-                    r["completion"].replace("```", "` ` `"), "```", ""]
+                    _response(r).replace("```", "` ` `"), "```", ""]
     return out
+
+
+def _response(row: dict) -> str:
+    """The completion, or for a multi-turn trajectory its turns: what the model wrote and each tool's answer."""
+    if not row.get("conversation"):
+        return row["completion"]
+    turns = row["conversation"][row.get("prompt_messages", 0):]
+    calls = row.get("tool_calls") or []
+    text = "\n".join(f"[{m['role'] if m['role'] == 'assistant' else 'tool result'}] {m['content']}" for m in turns)
+    return text + f"\n({len(calls)} tool call{'s' if len(calls) != 1 else ''}: " + (
+        ", ".join(f"{c['name']} {c['status']}" for c in calls) or "none") + ")"

@@ -36,5 +36,7 @@ def pick_samples(step: int, prompts: list, comps, rewards: list[float], correct:
              "correct": bool(correct[i]), "length": len(comps[i].token_ids), "finish_reason": comps[i].finish_reason,
              # partial rollouts: which policy version drew which tokens, as [version, tokens] runs
              **({"policy_versions": comps[i].stats["policy_versions"]} if "policy_versions" in (comps[i].stats or {})
-                else {})}
+                else {}),
+             # multi-turn: the conversation (prompt, model turns, observations) and the tool calls made
+             **(getattr(comps[i], "trajectory", None) or {})}
             for i in picks]

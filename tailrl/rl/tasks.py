@@ -50,7 +50,45 @@ def countdown_row(rng: random.Random) -> dict:
     return {"prompt": prompt, "answer": str(target), "task": "countdown", "level": k - 1, "numbers": nums}
 
 
-TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row}
+TOOL_SYSTEM = ("You can use a calculator: write <calc>expression</calc> and you will get <result>value</result>. "
+               "Then write the final answer after ####.")
+TOOL_SHOTS = (("What is 482 * 17?", "482*17"), ("What is 1234 + 5678?", "1234+5678"))
+
+
+def tool_prefix() -> list[dict]:
+    """The few-shot prefix that makes SmolLM2-135M call the calculator: a system line and two exchanges (question ->
+    <calc> -> <result> -> answer). From a system line alone it calls it in 0 of 16 samples, after two few-shot turns
+    in 16 of 16 (research/agentic-lora-2026-11.md); with the result in a user turn it then answers right."""
+    out = [{"role": "system", "content": TOOL_SYSTEM}]
+    for q, e in TOOL_SHOTS:
+        v = eval(e, {"__builtins__": {}})  # two constant expressions of ours
+        out += [{"role": "user", "content": q}, {"role": "assistant", "content": f"<calc>{e}</calc>"},
+                {"role": "user", "content": f"<result>{v}</result>"}, {"role": "assistant", "content": f"#### {v}"}]
+    return out
+
+
+def tool_arithmetic_row(rng: random.Random) -> dict:
+    """Arithmetic with 3-4 digit operands, where a 135M model is wrong without a calculator (ToRL's setting: a correct
+    final answer is 1). Level 1: sums and differences; 2: products of a 3-4 digit and a 2 digit number; 3: products
+    of two 3 digit numbers."""
+    level = rng.choice([1, 2, 3])
+    if level == 1:
+        a, b, op = rng.randint(100, 9999), rng.randint(100, 9999), rng.choice("+-")
+    elif level == 2:
+        a, b, op = rng.randint(100, 9999), rng.randint(11, 99), "*"
+    else:
+        a, b, op = rng.randint(100, 999), rng.randint(100, 999), "*"
+    ans = a + b if op == "+" else a - b if op == "-" else a * b
+    q = f"What is {a} {op} {b}?"
+    return {"prompt": tool_prefix() + [{"role": "user", "content": q}], "answer": str(ans), "task": "tool_arithmetic",
+            "level": level, "question": q}
+
+
+TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row, "tool_arithmetic": tool_arithmetic_row}
+
+
+def _key(row: dict) -> str:
+    return row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])
 
 
 def make_rows(task: str, n: int, seed: int = 0, levels=()) -> list[dict]:
@@ -71,7 +109,7 @@ def split_rows(task: str, num_train: int, num_eval: int, levels=()) -> tuple[lis
     """Train and eval rows with distinct prompts, and no eval prompt among the train ones (held out), from the given
     difficulty levels (all when empty). Raises when the task has fewer distinct prompts than asked for."""
     evals = distinct_rows(task, num_eval, seed=1, levels=levels)
-    return distinct_rows(task, num_train, seed=0, exclude={r["prompt"] for r in evals}, levels=levels), evals
+    return distinct_rows(task, num_train, seed=0, exclude={_key(r) for r in evals}, levels=levels), evals
 
 
 def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset(), levels=()) -> list[dict]:
@@ -84,8 +122,8 @@ def distinct_rows(task: str, n: int, seed: int, exclude: set[str] = frozenset(),
         r = TASKS[task](rng)
         if levels and r["level"] not in levels:
             continue
-        if r["prompt"] not in seen:
-            seen.add(r["prompt"])
+        if _key(r) not in seen:
+            seen.add(_key(r))
             out.append(r)
     if len(out) < n:
         raise ValueError(f"task {task!r} gave only {len(out)} distinct prompts of the {n} asked for")

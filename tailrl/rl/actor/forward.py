@@ -55,7 +55,10 @@ def make_batch(comps, pad: int) -> Batch:
     mask, rollout = torch.zeros(len(comps), T), torch.zeros(len(comps), T)
     for i, c in enumerate(comps):
         p, n = plens[i] - 1 - start, len(c.token_ids)
-        mask[i, p : p + n] = 1.0
+        # a multi-turn trajectory's template and observation tokens (response_mask 0) never enter the loss, the KL,
+        # the entropy or TIS: every one of them is weighed by this mask (rl/agent/trajectory.py)
+        rm = getattr(c, "response_mask", None)
+        mask[i, p : p + n] = 1.0 if rm is None else torch.tensor(rm, dtype=torch.float32)
         if len(c.logprobs) != n:  # a 0 would pass for log p = 0: TIS weights min(p, cap), a logprob_diff of -log p
             raise ValueError(f"completion {i} of the batch has {len(c.logprobs)} rollout logprobs for its {n} tokens: "
                              "the rollout must report the logprob of every token it drew (the update's importance "

@@ -32,6 +32,10 @@ class Rewarder:
         columns = {"answer": [examples[c.prompt_index].answer for c in comps]}
         for key in examples[0].columns:
             columns[key] = [examples[c.prompt_index].columns.get(key) for c in comps]
+        trajs = [getattr(c, "trajectory", None) or {} for c in comps]  # (tests score plain namespaces)
+        if any(trajs):  # multi-turn: the whole conversation and its tool calls
+            columns["conversation"] = [t.get("conversation") for t in trajs]
+            columns["tool_calls"] = [t.get("tool_calls", []) for t in trajs]
         total, st = self.runner(prompts, texts, columns)
         correct = [self.verifier(t, **{k: v[i] for k, v in columns.items()}) for i, t in enumerate(texts)]
         over = {}

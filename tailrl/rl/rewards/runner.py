@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import multiprocessing as mp
@@ -51,9 +52,24 @@ def _as_float(x) -> float | None:
     return v if math.isfinite(v) else None
 
 
+AGENT_KEYS = ("conversation", "tool_calls")  # multi-turn only, and only for functions that take them
+
+
+def takes(fn, key: str) -> bool:
+    """Whether fn accepts keyword `key` (by name or through **kwargs): the agent's columns reach a reward function
+    only then, so a function written for single-turn runs keeps working."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is p.VAR_KEYWORD or (p.name == key and p.kind is not p.VAR_POSITIONAL) for p in params)
+
+
 def _call_user(spec: str, prompts, completions, columns: dict):
     """('ok', [float | None]) or ('type', type name) when the function returned something that is not a list."""
-    out = load_function(spec)(prompts=prompts, completions=completions, **columns)
+    fn = load_function(spec)
+    columns = {k: v for k, v in columns.items() if k not in AGENT_KEYS or takes(fn, k)}
+    out = fn(prompts=prompts, completions=completions, **columns)
     if isinstance(out, (str, bytes, dict)) or not isinstance(out, Iterable):
         return "type", type(out).__name__
     return "ok", [_as_float(x) for x in out]

@@ -19,7 +19,7 @@ from ...drafter.compose import make_speculator
 from ...drafter.eagle import EagleDrafter, load_drafter
 from ...drafter.propose import LearnedDrafter
 from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
-from ...engine import Completions, Engine, EngineConfig, SamplingParams
+from ...engine import Completions, Engine, EngineConfig, GenerateStats, SamplingParams
 from ...engine.tail import tail_metrics
 from .base import step_seed
 from .ray_cluster import cluster_rollout, make_cluster
@@ -71,6 +71,11 @@ class EngineRollout:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
+        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives the engine
+        if cfg.agent.enabled:
+            from ..agent.loop import AgentLoop
+
+            self.agent = AgentLoop(cfg.agent, tokenizer)
         self._metrics: dict = {}  # the last rollout's (metrics())
 
     @property
@@ -88,6 +93,8 @@ class EngineRollout:
                 + (f", {r.workers} Ray workers" if r.workers > 1 else ""))
 
     def encode(self, prompt) -> list[int]:
+        if self.agent is not None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.agent.encode_prompt(prompt)  # hermes: the tools' schemas in the prompt
         return self.engine.encode(prompt)
 
     def progress(self) -> tuple[int, int]:
@@ -115,6 +122,8 @@ class EngineRollout:
         return spec.drafters.get("history") if spec is not None else None
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.cluster is not None:
             self.cluster.shutdown()
         if self.spot is not None:
@@ -130,8 +139,31 @@ class EngineRollout:
             comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
             return comps
+        if self.agent is not None:
+            return self._agent_rollout(examples, params, step, last_step_s)
         ids = self.engine.add_requests([ex.ids for ex in examples], params)
         comps, _ = self._drive(ids, step, last_step_s, len(ids))
+        return comps
+
+    def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
+        """Multi-turn trajectories (rl/agent/loop.py): the turn loop drives the engine and runs the tools."""
+        from ..data import chat_prompt
+
+        n = sum(p.n for p in params)
+        if self.spot is not None and step is not None:
+            self.drafter_trainer.model.sync_head()
+            self.lender.begin_step(step, last_step_s, n_seqs=n)
+        on_step = (lambda out: self.lender.on_engine_step(self.engine.num_running, out.finished)) \
+            if self.lender is not None and step is not None else None
+        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
+        self.engine.last_stats = GenerateStats()
+        try:
+            comps, records, agent = self.agent.run(self.engine, [ex.ids for ex in examples], msgs, params, on_step)
+        finally:
+            if self.lender is not None and step is not None:
+                self.lender.stop()
+        self.engine.end_rollout(comps.stats)
+        self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, n), **agent}
         return comps
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
@@ -223,8 +255,11 @@ class EngineRollout:
 
     def greedy(self, examples: list) -> list:
         """Greedy completions of examples (evaluation), rejected ones left out."""
-        comps = self.engine.generate([ex.ids for ex in examples],
-                                     SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens))
+        greedy = SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens)
+        if self.agent is not None:
+            comps = self._agent_rollout(examples, [greedy] * len(examples))
+        else:
+            comps = self.engine.generate([ex.ids for ex in examples], greedy)
         return [c for c in comps if c.finish_reason != "error"]
 
     def load_policy(self, policy: torch.nn.Module) -> int:

@@ -1,0 +1,88 @@
+"""Multi-turn rollouts on our engine: tools beside the engine against a lock-step rollout, and speculation on against
+off. Prints a table; results with command, date and CPU go to benchmarks/RESULTS.md.
+
+The tool is a calculator that sleeps `--tool-s` seconds first (standing for a search API or a sandbox). Lock-step is
+TRL's GRPOTrainer loop: generate every trajectory's turn, then run every tool, then generate again (the same
+AgentLoop with `lock_step=True`, so both draw the very same trajectories: the script checks it). The SD rows run
+the overlapped loop with rollout.spec.mode auto and off on the batch-invariant engine (the same tokens, checked).
+
+    python benchmarks/agent.py --prompts 8 --n 4 --tool-s 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+from tailrl.rl.agent.calculator import calculator
+from tailrl.rl.agent.config import AgentConfig
+from tailrl.rl.agent.loop import AgentLoop
+from tailrl.rl.agent.tools import make_tool
+from tailrl.rl.tasks import make_rows
+from tailrl.speculative.config import SpecConfig
+
+SLEEP_S = 0.5
+
+
+def slow_calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression after a delay (a benchmark's stand-in for a slow tool).
+
+    Args:
+        expression: An arithmetic expression, e.g. "347*29".
+    """
+    time.sleep(SLEEP_S)
+    return calculator(expression)
+
+
+def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs):
+    tools = {"calculator": make_tool(slow_calculator, name="calculator")}
+    loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=3, max_parallel_calls=64), tok, tools=tools)
+    eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True, spec=SpecConfig(mode=spec)))
+    msgs = [r["prompt"] for r in rows]
+    prompts = [loop.encode_prompt(m) for m in msgs]
+    params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=0.7, seed=100 + i) for i in range(len(rows))]
+    for _ in range(epochs - 1):  # earlier epochs: the history drafter's index
+        loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+        eng.end_rollout()
+    t = time.perf_counter()
+    comps, _, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+    wall = time.perf_counter() - t
+    eng.end_rollout()
+    loop.close()
+    return comps, wall, m
+
+
+def main() -> None:
+    global SLEEP_S
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--tool-s", type=float, default=0.5)
+    ap.add_argument("--epochs", type=int, default=2, help="rollouts of the same prompts; the last is timed")
+    a = ap.parse_args()
+    SLEEP_S = a.tool_s
+    model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
+    rows = make_rows("tool_arithmetic", a.prompts, seed=7)
+    runs = {}
+    for name, spec, lock in (("overlapped, SD off", "off", False), ("lock-step, SD off", "off", True),
+                             ("overlapped, SD auto", "auto", False)):
+        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs)
+    base = runs["overlapped, SD off"][0]
+    print(f"{a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
+    print("| rollout | wall s | tool calls / traj | turns / traj | same trajectories |")
+    print("|---|---|---|---|---|")
+    for name, (comps, wall, m) in runs.items():
+        same = all(x.token_ids == y.token_ids for x, y in zip(comps, base))
+        print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {same} |")
+    lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
+    print(f"overlapped / lock-step speedup: {lock / over:.2f}x; SD auto / off on the overlapped rollout: {over / sd:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The turn loop on our engine: a trajectory that stops at a tool call leaves the batch while its tool runs in the
+pool, and comes back as a new request (its ids so far + the observation) while everything else keeps decoding.
+
+No lock-step (ROLL Flash arXiv:2510.11345, Heddle arXiv:2603.28101; TRL's GRPOTrainer waits for every row's
+tools, then generates all again): the loop steps the engine whenever it has work and re-submits each trajectory the
+moment its tool answers; it blocks on the pool only when nothing is left to decode.
+Invariants:
+- a trajectory's tokens do not depend on when its tools answered or what it was batched with: turn k of sample j
+  draws from `turn_seed(seed + j, k)` by position in that turn, and on the batch-invariant engine a request's tokens
+  do not depend on its batch, so speculation on and off give the very same trajectories, tool calls included;
+- the engine sees plain requests (it never imports agent/); a returning trajectory is re-prefilled (its prompt is
+  all its ids): our engine keeps no prefix cache across requests, so the KV of earlier turns is recomputed;
+- a trajectory ends at EOS, at a turn without a tool call, after agent.max_turns turns, or when rollout.max_tokens
+  (model and observation tokens together, as TRL's max_completion_length) has no room for the next observation."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
+
+from ...engine import Completion, Completions, GenerateStats, SamplingParams
+from ...engine.tail import tail_size
+from .config import AgentConfig
+from .formats import make_format
+from .pool import ToolPool
+from .tools import load_tools
+from .trajectory import ChatDelta, Trajectory, drift, turn_seed
+
+log = logging.getLogger(__name__)
+
+
+class AgentLoop:
+    def __init__(self, cfg: AgentConfig, tokenizer, tools: dict | None = None):
+        """tools: loaded tools by name (None: load cfg.tools; a spec that does not load is a ValueError naming it)."""
+        if tokenizer is None:
+            raise ValueError("agent.tools needs a tokenizer with a chat template; this model has none")
+        self.cfg, self.tok = cfg, tokenizer
+        self.tools = tools if tools is not None else load_tools(cfg.tools)
+        self.fmt = make_format(cfg.format, self.tools)
+        self.delta = ChatDelta(tokenizer, self.fmt.template_kwargs())
+        self.pool = ToolPool(cfg.max_parallel_calls, cfg.tool_timeout_s, None)
+        self.eos = {tokenizer.eos_token_id}
+        self._warned_drift = False
+        self.last: list[Trajectory] = []
+
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        """A prompt's ids as the format shows tools (hermes: the schemas through the chat template)."""
+        ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                           **self.fmt.template_kwargs())
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+
+    def run(self, engine, prompts: list[list[int]], messages: list[list[dict]], params: list[SamplingParams],
+            on_step=None, lock_step: bool = False) -> tuple[Completions, list, dict]:
+        """Runs every prompt's params.n trajectories to their end; returns (one Completion per trajectory in
+        (prompt, sample) order, the engine's step records, the agent/* metrics). on_step(out): told of each
+        engine step (the rollout feeds its lender, and so on). lock_step: the baseline of benchmarks/agent.py (TRL's
+        loop): no trajectory resumes before every turn in flight has ended and every tool has answered."""
+        t0 = time.perf_counter()
+        base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop) for p in params]
+        trajs: list[Trajectory] = []
+        owner: dict[int, tuple[Trajectory, SamplingParams]] = {}
+        ids = engine.add_requests(prompts, base)
+        k = 0
+        for i, p in enumerate(base):
+            for j in range(p.n):
+                seed = (p.seed + j) if p.seed is not None else hash((i, j, t0)) % (1 << 62)
+                tr = Trajectory(i, j, seed, list(prompts[i]), list(messages[i]), seq_id=ids[k])
+                trajs.append(tr)
+                owner[ids[k]] = (tr, dataclasses.replace(p, n=1, seed=None))
+                k += 1
+        stats = GenerateStats(tail_size=tail_size(len(trajs)))
+        records, pending = [], {}
+        while engine.has_work() or pending:
+            ready = [f for f in pending if f.done()]
+            if lock_step and (engine.has_work() or len(ready) < len(pending)):
+                ready = []
+            for fut in ready:
+                self._resume(engine, *pending.pop(fut), fut.result(), owner)
+            if not engine.has_work():
+                if pending:
+                    wait(list(pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
+                continue
+            out = engine.step()
+            stats.add(out.record)
+            records.append(out.record)
+            if on_step is not None:
+                on_step(out)
+            for c in out.finished:
+                tr, p = owner.pop(c.seq_id)
+                calls = self._end_turn(tr, c)
+                if calls:
+                    pending[self.pool.submit(self.tools, calls)] = (tr, p, calls)
+        stats.total_s = time.perf_counter() - t0
+        comps = Completions(self._completion(tr) for tr in trajs)
+        comps.stats = stats
+        self.last = trajs
+        return comps, records, self._metrics(trajs, t0, stats.total_s)
+
+    def _end_turn(self, tr: Trajectory, c: Completion) -> list:
+        """Appends a finished turn; returns the tool calls to run next (none: the trajectory has ended)."""
+        text = self.tok.decode(c.token_ids, skip_special_tokens=True)
+        tr.add_model(c.token_ids, c.logprobs, text)
+        if c.finish_reason != "stop" or (c.token_ids and c.token_ids[-1] in self.eos):
+            return self._finish(tr, c.finish_reason, c.error)
+        calls = self.fmt.parse_calls(text)
+        if not calls:
+            return self._finish(tr, "stop")
+        tr.turns[-1].calls = calls
+        if len(tr.turns) >= self.cfg.max_turns:
+            return self._finish(tr, "max_turns")
+        return calls
+
+    def _finish(self, tr: Trajectory, reason: str, error: str | None = None) -> list:
+        tr.finish_reason, tr.error, tr.t_done = reason, error, time.perf_counter()
+        return []
+
+    def _resume(self, engine, tr: Trajectory, p: SamplingParams, calls: list, results: list, owner: dict) -> None:
+        """The tool answered: the observation's ids go in (mask 0) and the trajectory re-enters as a new request."""
+        for r in results:
+            r.text = self.delta.truncate(r.text, self.cfg.max_tool_tokens, self.cfg.truncate_side)
+        turn = tr.turns[-1]
+        turn.results = results
+        obs = self.fmt.observation(results)
+        join = self.delta.close_ids + self.delta.observation_ids(obs)
+        room = p.max_tokens - len(tr.ids) - len(join)
+        if room < 1:  # no room for the observation and a token after it: the trajectory ends at its call
+            self._finish(tr, "length")
+            return
+        turn.observation = obs
+        tr.add_template(join)
+        nxt = dataclasses.replace(p, max_tokens=room, seed=turn_seed(tr.seed, len(tr.turns)))
+        (sid,) = engine.add_requests([tr.prompt_ids + tr.ids], nxt)
+        owner[sid] = (tr, p)
+
+    def _completion(self, tr: Trajectory) -> Completion:
+        reason = {"max_turns": "stop"}.get(tr.finish_reason, tr.finish_reason or "error")
+        return Completion(tr.seq_id, tr.prompt_index, tr.sample_index, tr.prompt_ids, tr.ids, tr.model_text,
+                          tr.logprobs, reason, tr.error, stats={"turns": len(tr.turns)}, response_mask=tr.mask,
+                          trajectory=tr.record())
+
+    def _metrics(self, trajs: list[Trajectory], t0: float, total_s: float) -> dict:
+        """agent/*: per trajectory means, tool outcomes, the masked share, token drift and the tail by trajectory."""
+        n = max(len(trajs), 1)
+        results = [r for tr in trajs for t in tr.turns for r in t.results]
+        status = [r.status for r in results]
+        masked = sum(len(tr.mask) - sum(tr.mask) for tr in trajs)
+        m = {"agent/turns": sum(len(tr.turns) for tr in trajs) / n, "agent/tool_calls": len(results) / n,
+             "agent/tool_errors": sum(s not in ("ok", "timeout") for s in status),
+             "agent/tool_timeouts": status.count("timeout"), "agent/tool_s": sum(r.seconds for r in results),
+             "agent/masked_share": masked / max(sum(len(tr.mask) for tr in trajs), 1),
+             "agent/max_turns_hit": sum(tr.finish_reason == "max_turns" for tr in trajs) / n}
+        if self.cfg.strict_tokens:
+            m["agent/token_drift"] = sum(self._drifts(tr) for tr in trajs) / n
+        done = sorted(tr.t_done - t0 for tr in trajs)  # the tail by trajectory: the last quarter still unfinished
+        k = len(done) - tail_size(len(done))
+        m["agent/tail_share"] = (total_s - done[k - 1]) / total_s if 0 < k <= len(done) and total_s > 0 else 0.0
+        return m
+
+    def _drifts(self, tr: Trajectory) -> bool:
+        at = drift(self.tok, tr, self.fmt.template_kwargs())
+        if at is not None and not self._warned_drift:
+            self._warned_drift = True
+            ours = tr.prompt_ids + tr.ids
+            log.warning("agent: trajectory ids differ from a re-tokenization of its conversation at position %d "
+                        "(ours %s): training on re-tokenized text would train on tokens the policy never sampled; "
+                        "the trainer uses the ids as sampled (agent/token_drift counts these)", at, ours[at:at + 5])
+        return at is not None
+

@@ -1,0 +1,226 @@
+"""The agent's turn loop on our engine: config, call formats, the trajectory kept as ids (token in, token out), the
+loop itself (tools beside the engine, SD on = off, user tools), and the update's mask over observation tokens."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tailrl.config import ConfigError, load_config
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.rl.agent.config import AgentConfig
+from tailrl.rl.agent.formats import HermesFormat, TagsFormat
+from tailrl.rl.agent.loop import AgentLoop
+from tailrl.rl.agent.tools import load_tools
+from tailrl.speculative.config import SpecConfig
+from tests.conftest import TINY_WORDS, make_tiny_chat_model
+
+WORDS = TINY_WORDS + ["<calc>", "</calc>", "<lookup>", "</lookup>", "<|system|>", "<result>", "</result>"]
+
+
+@pytest.fixture(scope="module")
+def tool_chat_folder(tmp_path_factory):
+    """A tiny chat model whose vocabulary has the tags: its random draws write calls, good and malformed."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=WORDS))
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tool_chat_folder):
+    from tailrl.model import load_model
+
+    return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)
+
+
+# ---- config -------------------------------------------------------------------------------------------------------
+
+def test_agent_keys_are_validated_and_empty_tools_is_the_single_turn_run():
+    cfg = load_config(None, [])
+    assert cfg.agent.tools == [] and not cfg.agent.enabled
+    cfg = load_config(None, ["agent.tools=[calculator]", "agent.max_turns=2", "agent.format=hermes"])
+    assert cfg.agent.enabled and cfg.agent.max_turns == 2
+    for bad, key in (("agent.format=json", "agent.format"), ("agent.max_turns=0", "agent.max_turns"),
+                     ("agent.truncate_side=up", "agent.truncate_side"), ("agent.tool_timeout_s=0", "tool_timeout_s")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="did you mean agent.max_turns"):
+        load_config(None, ["agent.max_turn=3"])
+
+
+@pytest.mark.parametrize("combo, why", [("rollout.backend=vllm", "our engine only"),
+                                        ("rollout.partial=true", "pending tool call"),
+                                        ("rollout.workers=2", "Ray workers")])
+def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, ["agent.tools=[calculator]", combo])
+    load_config(None, [combo])  # without tools the same setting is fine
+
+
+# ---- formats ------------------------------------------------------------------------------------------------------
+
+def test_tags_format_parses_the_call_that_ends_a_turn_and_names_malformed_ones():
+    fmt = TagsFormat(load_tools(["calculator"]))
+    assert fmt.stop == ["</calc>"]
+    (call,) = fmt.parse_calls("I will compute. <calc>347*29</calc>")
+    assert (call.name, call.arguments, call.error) == ("calculator", {"expression": "347*29"}, None)
+    (bad,) = fmt.parse_calls("347*29</calc>")
+    assert bad.arguments is None and "without an opening <calc>" in bad.error
+    assert fmt.parse_calls("#### 10063") == []
+    (obs,) = fmt.observation([type("R", (), {"text": "10063"})()])
+    assert obs == {"role": "user", "content": "<result>10063</result>"}
+
+
+def test_hermes_format_parses_json_calls_and_returns_errors_as_calls():
+    fmt = HermesFormat(load_tools(["calculator"]))
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    (call,) = fmt.parse_calls(text)
+    assert (call.name, call.arguments, call.error) == ("calculator", {"expression": "2+2"}, None)
+    (s,) = fmt.parse_calls('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>')
+    assert s.arguments == {"expression": "1"}
+    (bad,) = fmt.parse_calls("<tool_call>{name: calculator}</tool_call>")
+    assert bad.arguments is None and "not JSON" in bad.error
+    assert fmt.template_kwargs()["tools"][0]["function"]["name"] == "calculator"
+
+
+# ---- the loop on the engine ---------------------------------------------------------------------------------------
+
+def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4):
+    model, tok = model_tok
+    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns), tok)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0,
+                                          spec=SpecConfig(mode=spec)))
+    msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
+    prompts = [loop.encode_prompt(m) for m in msgs]
+    params = [SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=11 + i) for i in range(len(msgs))]
+    comps, records, metrics = loop.run(eng, prompts, msgs, params)
+    loop.close()
+    return loop, comps, metrics
+
+
+def test_trajectories_keep_sampled_ids_mask_observations_and_call_tools(tool_chat):
+    """Statistical with a fixed seed: 12 trajectories of up to 40 tokens from a 31-word random model write `</calc>`
+    (p ~ 1/31 a token) with probability above 1 - 1e-4, so some turns end at a call."""
+    loop, comps, m = run_loop(tool_chat, "off")
+    assert len(comps) == 12 and [c.prompt_index for c in comps] == [i for i in range(3) for _ in range(4)]
+    assert m["agent/tool_calls"] > 0 and m["agent/turns"] > 1
+    multi = [c for c in comps if c.trajectory["turns"] > 1]
+    assert multi
+    for c, tr in zip(comps, loop.last):
+        assert len(c.token_ids) == len(c.response_mask) == len(c.logprobs) <= 40
+        # the model's tokens are the ones sampled, turn by turn; everything else is mask 0 with logprob 0
+        assert all(lp == 0.0 for lp, k in zip(c.logprobs, c.response_mask) if k == 0)
+        assert all(lp < 0.0 or lp == 0.0 for lp in c.logprobs)
+        assert c.trajectory["turns"] == len(tr.turns)
+    c = multi[0]
+    calls = c.trajectory["tool_calls"]
+    assert calls and all(x["status"] in ("ok", "error", "malformed", "bad_arguments") for x in calls)
+    conv = c.trajectory["conversation"]
+    assert [x["role"] for x in conv[1:4]] == ["assistant", "user", "assistant"]
+    assert conv[2]["content"].startswith("<result>")
+    assert 0 < m["agent/masked_share"] < 1 and m["agent/token_drift"] >= 0
+
+
+def test_speculation_on_and_off_give_the_very_same_trajectories_tool_calls_included(tool_chat):
+    """On the batch-invariant engine a turn's tokens depend on (seed, turn, position) only, whatever the batch, the
+    order in which tools answered, or speculation (ngram drafts copy earlier turns and observations)."""
+    _, off, m_off = run_loop(tool_chat, "off")
+    _, on, m_on = run_loop(tool_chat, "ngram")
+    assert m_off["agent/tool_calls"] > 0
+    assert sum(v["drafted"] for v in on.stats.drafters.values()) > 0, "speculation did not run"
+    for a, b in zip(off, on):
+        assert a.token_ids == b.token_ids and a.response_mask == b.response_mask
+        assert a.trajectory["tool_calls"] == [dict(x, seconds=y["seconds"]) for x, y in
+                                              zip(b.trajectory["tool_calls"], a.trajectory["tool_calls"])]
+
+
+def test_a_users_tool_from_the_command_line_is_called(tool_chat, tmp_path, monkeypatch):
+    (tmp_path / "mytools_agent.py").write_text(textwrap.dedent('''
+        CALLS = []
+
+        def lookup(key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: What to look up.
+            """
+            CALLS.append(key)
+            return "found " + key
+        '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["agent.tools=[mytools_agent:lookup]"])
+    assert cfg.agent.tools == ["mytools_agent:lookup"]
+    loop, comps, m = run_loop(tool_chat, "off", tools=cfg.agent.tools, n=8)
+    called = [x for c in comps for x in c.trajectory["tool_calls"] if x["status"] == "ok"]
+    # statistical, fixed seeds: 24 trajectories of 40 tokens from a 31-word random model write <lookup> ... </lookup>
+    # in a few of them (3 of 18 at n=6 here); none in all 24 would be a loop that drops calls
+    assert called and len(sys.modules["mytools_agent"].CALLS) == len(called)
+    assert all(x["result"] == "found " + x["arguments"]["key"] for x in called)
+    with pytest.raises(ValueError, match="does not import"):
+        load_tools(["no_such_module_xyz:lookup"])
+
+
+# ---- rewards and the task -----------------------------------------------------------------------------------------
+
+def new_style(prompts, completions, answer, conversation, tool_calls):
+    return [float(len(t)) + 10 * (conv[-1]["role"] == "assistant") for conv, t in zip(conversation, tool_calls)]
+
+
+def old_style(prompts, completions, answer):
+    return [1.0 for _ in completions]
+
+
+def test_reward_functions_get_the_conversation_only_if_they_take_it():
+    from tailrl.rl.rewards.runner import _call_user
+
+    conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 1"}]]
+    cols = {"answer": ["1"], "conversation": conv, "tool_calls": [[{"name": "calculator"}, {"name": "calculator"}]]}
+    assert _call_user("tests.test_agent_loop:new_style", ["q"], ["#### 1"], cols) == ("ok", [12.0])
+    assert _call_user("tests.test_agent_loop:old_style", ["q"], ["#### 1"], cols) == ("ok", [1.0])
+
+
+def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
+    from tailrl.rl.tasks import split_rows
+
+    train, evals = split_rows("tool_arithmetic", 16, 8)
+    assert not {r["question"] for r in train} & {r["question"] for r in evals}
+    for r in train + evals:
+        msgs = r["prompt"]
+        assert msgs[0]["role"] == "system" and "<calc>" in msgs[0]["content"]
+        assert [m["role"] for m in msgs[1:9]] == ["user", "assistant", "user", "assistant"] * 2
+        assert msgs[2]["content"] == "<calc>482*17</calc>" and msgs[3]["content"] == f"<result>{482 * 17}</result>"
+        a, op, b = r["question"][len("What is "):-1].split()
+        assert 100 <= int(a) and int(r["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b),
+                                                     "*": int(a) * int(b)}[op]
+
+
+@pytest.mark.slow
+def test_a_training_step_with_tools_logs_agent_metrics_and_trajectories(tool_chat_folder, task_file, tmp_path):
+    from tailrl.rl.trainer import Trainer
+    from tests.rl_helpers import small_cfg
+
+    cfg = small_cfg(tool_chat_folder, task_file, tmp_path / "run", "agent.tools=[calculator]", "rollout.max_tokens=24",
+                    "trainer.steps=1", "model.dtype=float32")
+    tr = Trainer(cfg)
+    try:
+        m = tr.train_step()
+    finally:
+        tr.close()
+    assert {"agent/turns", "agent/tool_calls", "agent/masked_share", "agent/tail_share"} <= set(m)
+    assert m["agent/turns"] >= 1 and "actor/pg_loss" in m
+    assert tr.samples and all("conversation" in r and "tool_calls" in r for r in tr.samples)
+
+
+def test_the_report_shows_a_trajectory_with_its_tool_calls(tmp_path):
+    import json
+
+    from tailrl.report import sample_lines
+
+    conv = [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "<calc>1+2</calc>"},
+            {"role": "user", "content": "<result>3</result>"}, {"role": "assistant", "content": "#### 3"}]
+    row = {"step": 1, "prompt": "What is 1+2?", "completion": "<calc>1+2</calc>\n#### 3", "reward": 1.0, "length": 20,
+           "conversation": conv, "turns": 2, "prompt_messages": 1,
+           "tool_calls": [{"name": "calculator", "arguments": {"expression": "1+2"}, "result": "3", "status": "ok"}]}
+    (tmp_path / "samples.jsonl").write_text(json.dumps(row) + "\n")
+    text = "\n".join(sample_lines(tmp_path))
+    assert "[assistant] <calc>1+2</calc>\n[tool result] <result>3</result>\n[assistant] #### 3" in text
+    assert "(1 tool call: calculator ok)" in text
