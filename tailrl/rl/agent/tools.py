@@ -8,13 +8,13 @@ function fails when it is loaded (with its name and what is missing), never in t
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import os
-import sys
 from dataclasses import dataclass
 from typing import Callable
+
+from ..user_code import import_user_module
 
 BUILTIN_TOOLS = ("calculator", "python")
 
@@ -116,7 +116,7 @@ def import_object(spec: str, what: str = "tool"):
             raise ValueError(f"{what} spec {spec!r}: {mod_name} fails to import: {type(e).__name__}: {e}") from e
     else:
         try:
-            module = _import_module(mod_name)
+            module = import_user_module(mod_name)
         except Exception as e:
             raise ValueError(f"{what} spec {spec!r}: module {mod_name!r} does not import: "
                              f"{type(e).__name__}: {e}") from e
@@ -127,16 +127,6 @@ def import_object(spec: str, what: str = "tool"):
         obj = getattr(obj, part)
     return obj
 
-
-def _import_module(mod_name: str):
-    try:
-        return importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        cwd = os.getcwd()
-        if e.name != mod_name.split(".")[0] or cwd in sys.path or "" in sys.path:
-            raise
-        sys.path.append(cwd)
-        return importlib.import_module(mod_name)
 
 
 def load_tools(specs: list[str]) -> dict[str, Tool]:

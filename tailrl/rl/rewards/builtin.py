@@ -6,14 +6,12 @@ A user function has TRL's signature: f(prompts, completions, answer=..., **extra
 from __future__ import annotations
 
 import ast
-import importlib
 import math
 import operator
-import os
 import re
-import sys
 from collections import Counter
 
+from ..user_code import import_user_module
 from .verl import verl_reward
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -176,7 +174,7 @@ def load_function(spec: str):
         raise ValueError(f"reward function {spec!r}: {choice_hint(spec, list(BUILTIN))} or give 'module:function'")
     module, name = spec.split(":", 1)
     try:
-        mod = _import(module)
+        mod = import_user_module(module)
     except Exception as e:  # SyntaxError, ImportError or anything the module raises at import
         raise ValueError(f"reward function {spec!r}: importing module {module!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
@@ -186,13 +184,3 @@ def load_function(spec: str):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn
 
-
-def _import(module: str):
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        cwd = os.getcwd()
-        if e.name != module.split(".")[0] or cwd in sys.path:
-            raise
-        sys.path.append(cwd)
-        return importlib.import_module(module)
