@@ -25,8 +25,11 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.update, from any directory
 
 GB = 2**30
 
