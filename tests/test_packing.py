@@ -92,3 +92,30 @@ def test_mini_batches_keep_a_groups_samples_together():
         for m in epoch:  # two whole groups per mini-batch
             assert sorted(Counter(groups[i] for i in m).values()) == [4, 4]
     assert minis[:3] != minis[3:]  # each epoch shuffles the groups' order
+
+
+def test_the_shared_prompt_backward_is_the_same_bits_every_time_at_two_threads(tiny):
+    """A prompt's samples gather its keys and values; the backward sums those gradients. Advanced indexing's backward
+    (index_put_ with accumulate) adds floats atomically in thread order on a CPU at 2+ threads where indices repeat,
+    so the update's gradients, and a resumed run's weights, differed run to run in the last bits (AVX2 Zen 3 and
+    AVX-512 Zen 4 alike). index_select's backward sums in index order: every backward gives the same bits."""
+    rng = random.Random(7)
+    comps = []  # a long prompt, 48 samples: the gathered gradient is far above torch's grain size, and both threads
+    prompt = [rng.randrange(3, 96) for _ in range(160)]  # add into the same prompt's rows at once
+    for _ in range(48):
+        resp = [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))]
+        comps.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=resp, logprobs=[-2.0] * len(resp)))
+    batch = make_batch(comps, pad=0)
+    idx = list(range(len(batch)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = set()
+        for _ in range(12):
+            tiny.zero_grad(set_to_none=True)
+            lp, _ = sequence_logprobs(tiny, batch, idx, 1.0)
+            (lp * batch.mask).sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in tiny.parameters() if p.grad is not None))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1

@@ -190,7 +190,12 @@ class Attention(nn.Module):
 
         (qp, qr), (kp, kr), (vp, vr) = grids(q), grids(k), grids(v)
         op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=gqa)
-        keys, vals = torch.cat([kp[lay.seg_of], kr], dim=2), torch.cat([vp[lay.seg_of], vr], dim=2)
+        # index_select, not kp[seg_of]: the backward of advanced indexing is index_put_(accumulate=True), which on a
+        # CPU with 2+ threads adds floats atomically in thread order where indices repeat (a prompt's samples all
+        # gather its keys), so gradients differed run to run in the last bits; index_select's backward (index_add_)
+        # sums in index order
+        keys = torch.cat([kp.index_select(0, lay.seg_of), kr], dim=2)
+        vals = torch.cat([vp.index_select(0, lay.seg_of), vr], dim=2)
         if gqa:
             orr = _grouped_attention(qr, keys, vals, lay.mask)
         else:

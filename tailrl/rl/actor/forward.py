@@ -118,7 +118,7 @@ def sequence_logprobs(model, batch: Batch, idx: list[int], warp: Warp | float, a
     lay = layout(batch.seqs, batch.prompt_lens, batch.groups, idx, batch.start, T, dev)
     with autocast_ctx(model, autocast):
         hidden = model.forward_shared(lay.tokens, lay.positions, lay.shared)  # the body only: rows go to the head
-    h = hidden[lay.rows]
+    h = hidden.index_select(0, lay.rows)  # rows repeat (a prompt's last row for each sample): see llama.py's gather
     lp, ent = head_logprobs(h, model.lm_head.weight, lay.targets, warp, chunk,
                             torch.bfloat16 if autocast else None)
     zeros = torch.zeros(len(idx) * T, device=dev)
