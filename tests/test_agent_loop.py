@@ -84,16 +84,20 @@ def test_hermes_format_parses_json_calls_and_returns_errors_as_calls():
 
 # ---- the loop on the engine ---------------------------------------------------------------------------------------
 
-def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4):
+def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4, epochs=1):
+    """epochs > 1: the same prompts again on the same engine (new seeds, as RL's next epoch), history kept."""
     model, tok = model_tok
     loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns), tok)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0,
-                                          spec=SpecConfig(mode=spec)))
+                                          spec=SpecConfig(mode=spec, min_match=1)))
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
     prompts = [loop.encode_prompt(m) for m in msgs]
-    params = [SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=11 + i) for i in range(len(msgs))]
-    comps, records, metrics = loop.run(eng, prompts, msgs, params)
+    for e in range(epochs):
+        params = [SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=11 + i + 100 * e) for i in range(len(msgs))]
+        comps, records, metrics = loop.run(eng, prompts, msgs, params)
+        eng.end_rollout(comps.stats)
     loop.close()
+    loop.engine = eng
     return loop, comps, metrics
 
 
@@ -224,3 +228,19 @@ def test_the_report_shows_a_trajectory_with_its_tool_calls(tmp_path):
     text = "\n".join(sample_lines(tmp_path))
     assert "[assistant] <calc>1+2</calc>\n[tool result] <result>3</result>\n[assistant] #### 3" in text
     assert "(1 tool call: calculator ok)" in text
+
+
+def test_history_files_later_turns_by_prompt_and_turn_and_stays_lossless_over_epochs(tool_chat):
+    """Speculation across turns: a trajectory's turn k is filed under (its prompt, k), so the next epoch's turn k
+    drafts from it whatever the earlier turns were; two epochs with history drafting give the very same trajectories
+    as with speculation off."""
+    loop, on, _ = run_loop(tool_chat, "history", epochs=2)
+    _, off, _ = run_loop(tool_chat, "off", epochs=2)
+    hist = loop.engine.speculator.drafters["history"]
+    turns = {k[1] for k in hist.prompts if isinstance(k[0], tuple)}
+    assert turns and min(turns) >= 1 and len(hist.prompts) == 3 + sum(
+        1 for k in hist.prompts if isinstance(k[0], tuple))
+    assert {k[0] for k in hist.prompts if isinstance(k[0], tuple)} <= {k for k in hist.prompts if isinstance(k[0], int)}
+    assert sum(v["drafted"] for v in on.stats.drafters.values()) > 0, "speculation did not run"
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert [c.response_mask for c in on] == [c.response_mask for c in off]

@@ -327,3 +327,36 @@ def test_auto_drafts_history_then_own_ngrams():
     names = [d.name for d in model_free_drafters(SpecConfig(mode="auto"))]
     assert names == ["history", "ngram", "history+ngram"]
     assert [d.name for d in model_free_drafters(SpecConfig(mode="history"))] == ["history"]
+
+
+def test_history_drafts_a_later_turn_from_the_same_turn_of_an_earlier_epoch():
+    """A multi-turn agent's turn k arrives with the whole trajectory so far as its prompt, which differs from epoch to
+    epoch; keyed by (prompt, turn) (SamplingParams.history) it still drafts from epoch 1's turn k of that prompt, and
+    the state round-trips with its turn."""
+    from types import SimpleNamespace
+
+    cfg = SpecConfig(mode="history", min_match=1)
+    hist = HistoryDrafter(cfg)
+    prompt, gen = [3, 4, 5, 6, 90, 91], [90, 91]  # the chat template's generation prompt ends every request
+    turn1 = [40, 41, 42, 43, 44, 45, 46]
+
+    def seq(sid, prompt_ids, out, key):
+        return SimpleNamespace(seq_id=sid, prompt_ids=prompt_ids, output_ids=list(out),
+                               params=SamplingParams(history=key))
+
+    first = seq(0, prompt + [10, 11, 12] + [70, 71] + gen, [], (prompt, 1))  # epoch 1: turn 1 after one call
+    hist.start(first)
+    hist.accept(first, turn1)
+    hist.release(0)
+    hist.end_rollout()
+    assert (tuple(prompt), 1) in hist.prompts
+    other_turns = prompt + [20, 21, 22] + [72, 73] + gen  # epoch 2: other earlier turns, the same prompt
+    keyed, plain = seq(1, other_turns, turn1[:2], (prompt, 1)), seq(2, other_turns, turn1[:2], None)
+    hist.start(keyed)
+    hist.start(plain)
+    tree = hist.propose_one(keyed, 8, 4)
+    assert tree is not None and tree.top_path()[:4] == turn1[2:6]
+    assert hist.propose_one(plain, 8, 4) is None  # keyed by its own prompt ids: nothing from epoch 1
+    again = HistoryDrafter(cfg)
+    again.load_state_dict(hist.state_dict())
+    assert (tuple(prompt), 1) in again.prompts and again.prompts[(tuple(prompt), 1)].epochs[0] == [turn1]

@@ -17,6 +17,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # where the history drafter files this request's tokens and finds earlier epochs' and siblings' ones: (prompt ids,
+    # turn). None: under its own prompt ids, turn 0. A multi-turn agent sets it for turns k >= 1, whose prompt is the
+    # whole trajectory so far: epoch 2's turn k then drafts from epoch 1's turn k of the same prompt
+    history: tuple | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -31,6 +35,8 @@ class SamplingParams:
             (self.seed is None or isinstance(self.seed, int), "seed", "an integer or None"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "a list of token ids"),
+            (self.history is None or (len(self.history) == 2 and isinstance(self.history[1], int)), "history",
+             "None or (prompt ids, turn)"),
         ]
         for ok, name, what in checks:
             if not ok:

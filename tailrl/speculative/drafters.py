@@ -120,19 +120,23 @@ class HistoryDrafter(ModelFreeDrafter):
         self.touched: set[tuple[int, ...]] = set()
         self.streams: dict[int, tuple[PromptHistory, int]] = {}  # seq_id -> its prompt's history, its live stream
 
-    def _entry(self, prompt: list[int]) -> PromptHistory:
-        key = tuple(prompt)
+    def _entry(self, prompt: list[int], turn: int = 0) -> PromptHistory:
+        key = history_key(prompt, turn)
         ph = self.prompts.get(key)
         if ph is None:
             ph = self.prompts[key] = PromptHistory(prompt, 3)
             while len(self.prompts) > self.cfg.max_prompts:
                 self.prompts.popitem(last=False)
         self.prompts.move_to_end(key)
+        self.touched.add(key)
         return ph
 
     def start(self, seq) -> None:
-        ph = self._entry(seq.prompt_ids)
-        self.touched.add(tuple(seq.prompt_ids))
+        """A request's tokens go under its prompt, or under turn k of the prompt its params name (a multi-turn
+        trajectory's later turns: their prompt ids hold the earlier turns, which differ from epoch to epoch; the
+        prompt tail that the responses are stored after is the chat template's generation prompt in both)."""
+        hist = getattr(seq.params, "history", None)
+        ph = self._entry(*hist) if hist is not None else self._entry(seq.prompt_ids)
         sid = ph.start_live()
         ph.index.extend(sid, seq.output_ids)
         self.streams[seq.seq_id] = (ph, sid)
@@ -157,7 +161,6 @@ class HistoryDrafter(ModelFreeDrafter):
         """New tokens of a sibling sample decoding elsewhere (another worker; key = (prompt index, sample
         index)): they join this prompt's live sibling index as if the sample ran here (Seer's group drafting)."""
         ph = self._entry(prompt_ids)
-        self.touched.add(tuple(prompt_ids))
         sid = ph.remote.get(key)
         if sid is None:
             sid = ph.remote[key] = ph.index.add_stream(ph.prompt[-PROMPT_TAIL:])
@@ -176,7 +179,8 @@ class HistoryDrafter(ModelFreeDrafter):
         self.touched.clear()
 
     def state_dict(self) -> dict:
-        return {"prompts": [{"prompt": ph.prompt, "epochs": [list(e) for e in ph.epochs]} for ph in self.prompts.values()]}
+        return {"prompts": [{"prompt": ph.prompt, "epochs": [list(e) for e in ph.epochs],
+                             **({"turn": key[1]} if _turn_of(key) else {})} for key, ph in self.prompts.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.clear()
@@ -184,7 +188,16 @@ class HistoryDrafter(ModelFreeDrafter):
             ph = PromptHistory(item["prompt"], 3)
             ph.epochs = deque(item["epochs"][-self.cfg.history_epochs :])
             ph.rebuild()
-            self.prompts[tuple(item["prompt"])] = ph
+            self.prompts[history_key(item["prompt"], item.get("turn", 0))] = ph
+
+
+def history_key(prompt: list[int], turn: int = 0) -> tuple:
+    """A prompt's history entry: its ids for turn 0 (single-turn runs, and an agent's first turn), (ids, turn) after."""
+    return tuple(prompt) if turn == 0 else (tuple(prompt), turn)
+
+
+def _turn_of(key: tuple) -> int:
+    return key[1] if len(key) == 2 and isinstance(key[0], tuple) else 0
 
 
 class NgramDrafter(ModelFreeDrafter):

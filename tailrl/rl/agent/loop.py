@@ -10,6 +10,10 @@ Invariants:
   do not depend on its batch, so speculation on and off give the very same trajectories, tool calls included;
 - the engine sees plain requests (it never imports agent/); a returning trajectory is re-prefilled (its prompt is
   all its ids): our engine keeps no prefix cache across requests, so the KV of earlier turns is recomputed;
+- speculation across turns: turn k's request names (prompt, k) as its history key (SamplingParams.history), so the
+  history drafter drafts it from turn k of the same prompt in earlier epochs and from its siblings' turn k now, not
+  from whole-trajectory prompts that differ from epoch to epoch; the ngram drafter copies tool outputs and earlier
+  calls from the request's own ids;
 - a trajectory ends at EOS, at a turn without a tool call, after agent.max_turns turns, or when rollout.max_tokens
   (model and observation tokens together, as TRL's max_completion_length) has no room for the next observation."""
 
@@ -135,7 +139,8 @@ class AgentLoop:
             return
         turn.observation = obs
         tr.add_template(join)
-        nxt = dataclasses.replace(p, max_tokens=room, seed=turn_seed(tr.seed, len(tr.turns)))
+        k = len(tr.turns)  # the next turn: history drafts from turn k of this prompt in earlier epochs and siblings
+        nxt = dataclasses.replace(p, max_tokens=room, seed=turn_seed(tr.seed, k), history=(tr.prompt_ids, k))
         (sid,) = engine.add_requests([tr.prompt_ids + tr.ids], nxt)
         owner[sid] = (tr, p)
 

@@ -166,6 +166,8 @@ def _check_history(hist) -> None:
     for i, item in enumerate(prompts):
         f = f"history.prompts.{i}"
         _int_list(_need(item, "prompt", f), f + ".prompt")
+        if not isinstance(item.get("turn", 0), int) or item.get("turn", 0) < 0:
+            raise StateError(f + ".turn", "not a turn number (an integer >= 0)")
         epochs = _need(item, "epochs", f)
         if not isinstance(epochs, list):
             raise StateError(f + ".epochs", "not a list")
