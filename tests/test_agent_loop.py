@@ -197,6 +197,26 @@ def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
                                                      "*": int(a) * int(b)}[op]
 
 
+def test_tool_chain_rows_show_chained_calls_and_need_each_result_in_the_next():
+    """The multi-call task: worked exchanges whose calls use the previous result, and answers that follow from the
+    instruction's numbers (two or three calculations)."""
+    import re
+
+    from tailrl.rl.tasks import split_rows
+
+    train, evals = split_rows("tool_chain", 32, 8)
+    assert not {r["question"] for r in train} & {r["question"] for r in evals} and {r["level"] for r in train} == {1, 2}
+    shot = train[0]["prompt"]
+    calls = [m["content"] for m in shot if m["role"] == "assistant" and m["content"].startswith("<calc>")]
+    results = [m["content"] for m in shot if m["content"].startswith("<result>")]
+    assert len(calls) == 5 and results[0] == "<result>1104</result>" and calls[1] == "<calc>1104+595</calc>"
+    for r in train + evals:
+        nums = [int(x) for x in re.findall(r"\d+", r["question"])]
+        sign = 1 if " add " in r["question"] else -1
+        want = nums[0] * nums[1] + sign * (nums[2] if r["level"] == 1 else nums[2] * nums[3])
+        assert int(r["answer"]) == want
+
+
 @pytest.mark.slow
 def test_a_training_step_with_tools_logs_agent_metrics_and_trajectories(tool_chat_folder, task_file, tmp_path):
     from tailrl.rl.trainer import Trainer

@@ -84,7 +84,49 @@ def tool_arithmetic_row(rng: random.Random) -> dict:
             "level": level, "question": q}
 
 
-TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row, "tool_arithmetic": tool_arithmetic_row}
+CHAIN_SYSTEM = ("You can use a calculator: write <calc>expression</calc> and you will get <result>value</result>. "
+                "Work one step at a time, one calculation per turn, then write the final answer after ####.")
+CHAIN_SHOTS = (("First multiply 23 by 48, then add 595 to the result.", ("23*48", "1104+595")),
+               ("First multiply 124 by 16, then multiply 37 by 21, then subtract the second result from the first.",
+                ("124*16", "37*21", "1984-777")))
+
+
+def chain_prefix() -> list[dict]:
+    """A system line and two worked exchanges of chained calls (one calculation per turn, each result used in the
+    next call): a 135M model imitates the shape; carrying each result into the next call is what RL can improve."""
+    out = [{"role": "system", "content": CHAIN_SYSTEM}]
+    for q, steps in CHAIN_SHOTS:
+        out.append({"role": "user", "content": q})
+        v = None
+        for e in steps:
+            v = eval(e, {"__builtins__": {}})  # constant expressions of ours
+            out += [{"role": "assistant", "content": f"<calc>{e}</calc>"},
+                    {"role": "user", "content": f"<result>{v}</result>"}]
+        out.append({"role": "assistant", "content": f"#### {v}"})
+    return out
+
+
+def tool_chain_row(rng: random.Random) -> dict:
+    """Instructions of two or three calculations, each on earlier results: the multi-call workload (ReTool/ToRL's
+    multi-turn setting at a 135M model's scale). Level 1: a*b then + or - c (two calls); 2: a*b, c*d, then their sum
+    or difference (three)."""
+    a, b, c, d = rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99)
+    op = rng.choice("+-")
+    word = {"+": "add", "-": "subtract"}[op]
+    if rng.random() < 0.5:
+        e = rng.randint(100, 999)
+        q = f"First multiply {a} by {b}, then {word} {e} {'to' if op == '+' else 'from'} the result."
+        ans, level = (a * b + e if op == "+" else a * b - e), 1
+    else:
+        q = (f"First multiply {a} by {b}, then multiply {c} by {d}, then {word} the second result "
+             f"{'to' if op == '+' else 'from'} the first.")
+        ans, level = (a * b + c * d if op == "+" else a * b - c * d), 2
+    return {"prompt": chain_prefix() + [{"role": "user", "content": q}], "answer": str(ans), "task": "tool_chain",
+            "level": level, "question": q}
+
+
+TASKS = {"arithmetic": arithmetic_row, "countdown": countdown_row, "tool_arithmetic": tool_arithmetic_row,
+         "tool_chain": tool_chain_row}
 
 
 def _key(row: dict) -> str:
