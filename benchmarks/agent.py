@@ -5,13 +5,16 @@ The tool is a calculator that sleeps `--tool-s` seconds first (standing for a se
 TRL's GRPOTrainer loop: generate every trajectory's turn, then run every tool, then generate again (the same
 AgentLoop with `lock_step=True`, so both draw the very same trajectories: the script checks it). The SD rows run
 the overlapped loop with rollout.spec.mode auto and off on the batch-invariant engine (the same tokens, checked).
+Earlier epochs (--epochs) draw other seeds than the timed one, as RL's next epoch does: history drafts come from
+other samples of the same prompt, turn by turn, not from copies of the timed trajectories.
 
-    python benchmarks/agent.py --prompts 8 --n 4 --tool-s 0.5
+    python benchmarks/agent.py --task tool_chain --prompts 8 --n 4 --max-tokens 96 --tool-s 0.5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -38,15 +41,16 @@ def slow_calculator(expression: str) -> str:
     return calculator(expression)
 
 
-def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs):
+def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns):
     tools = {"calculator": make_tool(slow_calculator, name="calculator")}
-    loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=3, max_parallel_calls=64), tok, tools=tools)
+    loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=max_turns, max_parallel_calls=64), tok, tools=tools)
     eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True, spec=SpecConfig(mode=spec)))
     msgs = [r["prompt"] for r in rows]
     prompts = [loop.encode_prompt(m) for m in msgs]
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=0.7, seed=100 + i) for i in range(len(rows))]
-    for _ in range(epochs - 1):  # earlier epochs: the history drafter's index
-        loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+    for e in range(1, epochs):  # earlier epochs, other seeds (RL draws new samples): the history drafter's index
+        earlier = [dataclasses.replace(p, seed=p.seed + 1000 * e) for p in params]
+        loop.run(eng, prompts, msgs, earlier, lock_step=lock_step)
         eng.end_rollout()
     t = time.perf_counter()
     comps, _, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
@@ -65,16 +69,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--tool-s", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=2, help="rollouts of the same prompts; the last is timed")
+    ap.add_argument("--task", default="tool_arithmetic", help="tool_arithmetic (one call) or tool_chain (2-3 calls)")
+    ap.add_argument("--max-turns", type=int, default=4)
     a = ap.parse_args()
     SLEEP_S = a.tool_s
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
-    rows = make_rows("tool_arithmetic", a.prompts, seed=7)
+    rows = make_rows(a.task, a.prompts, seed=7)
     runs = {}
     for name, spec, lock in (("overlapped, SD off", "off", False), ("lock-step, SD off", "off", True),
                              ("overlapped, SD auto", "auto", False)):
-        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs)
+        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns)
     base = runs["overlapped, SD off"][0]
-    print(f"{a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
+    print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
     print("| rollout | wall s | tool calls / traj | turns / traj | same trajectories |")
     print("|---|---|---|---|---|")
     for name, (comps, wall, m) in runs.items():

@@ -264,3 +264,16 @@ def test_history_files_later_turns_by_prompt_and_turn_and_stays_lossless_over_ep
     assert sum(v["drafted"] for v in on.stats.drafters.values()) > 0, "speculation did not run"
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert [c.response_mask for c in on] == [c.response_mask for c in off]
+
+
+def test_response_lengths_count_the_models_tokens_and_the_trajectory_apart():
+    from types import SimpleNamespace
+
+    from tailrl.rl.trainer import response_metrics
+
+    single = SimpleNamespace(token_ids=[1] * 6, finish_reason="stop", response_mask=None)
+    multi = SimpleNamespace(token_ids=[1] * 10, finish_reason="length", response_mask=[1, 1, 1, 0, 0, 0, 0, 1, 1, 1])
+    m = response_metrics([single, multi], [])
+    assert m["response_lengths"] == [6, 6] and m["response_length/mean"] == 6.0
+    assert m["response_length/trajectory_mean"] == 8.0 and m["response_length/clip_ratio"] == 0.5
+    assert "response_length/trajectory_mean" not in response_metrics([single], [])

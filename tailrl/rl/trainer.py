@@ -64,12 +64,19 @@ def make_actor(cfg: Config, rollout_dtype: torch.dtype):
 
 
 def response_metrics(comps: list, all_comps: list) -> dict:
-    """Lengths of the step's responses (the accepted ones; all of them when none was)."""
-    lens = torch.tensor([len(c.token_ids) for c in comps or all_comps], dtype=torch.float)
-    return {"response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
-            "response_length/min": float(lens.min()),
-            "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
-            "response_lengths": lens.int().tolist()}
+    """Lengths of the step's responses (the accepted ones; all of them when none was), in the model's own tokens: a
+    multi-turn trajectory's tool observations and template tokens (response_mask 0) are counted apart, in
+    `response_length/trajectory_mean` (everything after the prompt, which rollout.max_tokens bounds)."""
+    use = comps or all_comps
+    masks = [getattr(c, "response_mask", None) for c in use]
+    lens = torch.tensor([len(c.token_ids) if m is None else sum(m) for c, m in zip(use, masks)], dtype=torch.float)
+    out = {"response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
+           "response_length/min": float(lens.min()),
+           "response_length/clip_ratio": sum(c.finish_reason == "length" for c in comps) / max(len(comps), 1),
+           "response_lengths": lens.int().tolist()}
+    if any(m is not None for m in masks):
+        out["response_length/trajectory_mean"] = sum(len(c.token_ids) for c in use) / max(len(use), 1)
+    return out
 
 
 class Trainer:
