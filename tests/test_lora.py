@@ -69,6 +69,38 @@ def test_the_engine_runs_the_merged_weights_and_the_base_stays(trained):
             assert torch.equal(t, base[n]), n
 
 
+def test_the_fused_bf16_adapter_forward_equals_pefts_and_its_gradients_reach_the_fp32_masters(tiny_lm):
+    """Over a bf16 base the adapters compute in bf16 with one fused addmm (lora.py `_lean_forward`); PEFT's own forward
+    on the same layer rounds the adapter's product, its scaling and the sum separately. Bound: three bf16 roundings
+    (unit roundoff 2^-8 each) of values of the output's size, so |diff| <= 3 * 2^-8 * max|out|; the gradients of
+    the fp32 A and B likewise, relative to their size. Adapters off: the base's output, bit for bit."""
+    import copy
+
+    policy = add_adapters(copy.deepcopy(tiny_lm[0]).to(torch.bfloat16), LoraCfg(rank=4, alpha=8))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    layer = next(iter(lora_layers(policy).values()))
+    assert layer.lora_A["default"].weight.dtype == torch.float32 and "_lean_forward" in str(layer.forward)
+    x = torch.randn(2, 7, layer.in_features, dtype=torch.bfloat16)
+    outs, grads = [], []
+    for fwd in (layer.forward, lambda t: type(layer).forward(layer, t)):  # ours, PEFT's
+        layer.zero_grad(set_to_none=True)
+        y = fwd(x)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        outs.append(y.float())
+        grads.append([layer.lora_A["default"].weight.grad.clone(), layer.lora_B["default"].weight.grad.clone()])
+    assert all(g.dtype == torch.float32 for g in grads[0])
+    bound = 3 * 2**-8
+    torch.testing.assert_close(outs[0], outs[1], atol=bound * outs[1].abs().max().item(), rtol=0)
+    for a, b in zip(*grads):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=bound * b.abs().max().item(), rtol=0)
+    with torch.no_grad(), adapters_off(policy):
+        assert torch.equal(layer(x), layer.get_base_layer()(x))
+
+
 def test_merge_then_unmerge_restores_the_base_bit_for_bit(tiny_lm):
     import copy
 

@@ -3,8 +3,9 @@ computes W x + (alpha / r) B A x, W frozen, A and B trained.
 
 Invariants:
 - The base is frozen in the compute dtype (bf16 under `train_compute=bfloat16`): no fp32 master copy, no AdamW
-  moments and no gradients for it. The adapters are fp32 (the optimizer's master weights) and compute in fp32
-  (PEFT casts their input to their dtype and the sum back to the base's).
+  moments and no gradients for it. The adapters are fp32 (the optimizer's master weights) and compute in the base's
+  dtype: over a bf16 base their products are bf16 with the weights cast per use (`ComputeCast`), as the full
+  model's bf16 compute copy does; over an fp32 base, fp32.
 - The rollout engine runs an ordinary model: `merge_into` writes W + (alpha / r) B A, formed in fp32 and rounded
   once to the engine's dtype, into the engine's own copy once per sync. Speculation, the batch-invariant passes and
   the drafter see plain weights, so their exactness arguments hold unchanged; the policy's W is never written
@@ -15,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from torch import nn
@@ -53,7 +55,7 @@ def peft_config(lora: LoraCfg, base_path: str = ""):
 def add_adapters(model: nn.Module, lora: LoraCfg) -> nn.Module:
     """Freezes the model and injects fp32 LoRA adapters into the target layers (in place; returns the model). A and B
     are initialised as PEFT does (A Kaiming-uniform from torch's RNG, B zero): the adapted model starts equal to
-    the base."""
+    the base. Over a bf16 base the adapters compute in bf16 (`ComputeCast`)."""
     from peft import inject_adapter_in_model
 
     targets(model, lora)
@@ -63,7 +65,41 @@ def add_adapters(model: nn.Module, lora: LoraCfg) -> nn.Module:
         if ".lora_" in n:
             p.data = p.data.float()  # PEFT puts them in the base's dtype; the master precision is fp32
             p.requires_grad_(True)
+    if model.dtype == torch.bfloat16:
+        for layer in lora_layers(model).values():
+            layer.cast_input_dtype_enabled = False  # x stays bf16: PEFT would cast it to the adapters' fp32
+            for name in layer.active_adapters:
+                for m in (layer.lora_A[name], layer.lora_B[name]):
+                    m.__class__ = ComputeCast
+            if type(layer).__name__ == "Linear" and not layer.use_dora.get(layer.active_adapters[0], False):
+                layer.forward = types.MethodType(_lean_forward, layer)
     return model
+
+
+def _lean_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT's LoRA Linear forward for one plain adapter, with the sum fused: W x + (s B) (A x) as one addmm onto the
+    base's output (s B is an out x r matrix formed per use), instead of PEFT's product, scaling multiply and add,
+    two passes over the [tokens, out] output. Adapters off or merged: the base alone, as PEFT."""
+    result = self.base_layer(x, *args, **kwargs)
+    if self.disable_adapters or self.merged or not self.active_adapters:
+        return result
+    name = self.active_adapters[0]
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
+    h = self.lora_dropout[name](x)
+    h = nn.functional.linear(h, a.to(x.dtype))
+    sb = (b * self.scaling[name]).to(x.dtype)
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), sb.t())
+    return out.view(result.shape)
+
+
+class ComputeCast(nn.Linear):
+    """An adapter matrix whose fp32 weight is the master and whose product runs in its input's dtype: over a bf16 base,
+    x A^T and (x A^T) B^T are bf16 products (fp32 accumulation inside, as the full model's bf16 compute copy does:
+    precision.py), so no [tokens, width] activation is cast to fp32 and back at each of the seven projections, and
+    the product's gradient reaches the fp32 weight through the cast. The cast per use is of an r x width matrix."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
