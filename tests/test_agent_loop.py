@@ -277,3 +277,20 @@ def test_response_lengths_count_the_models_tokens_and_the_trajectory_apart():
     assert m["response_lengths"] == [6, 6] and m["response_length/mean"] == 6.0
     assert m["response_length/trajectory_mean"] == 8.0 and m["response_length/clip_ratio"] == 0.5
     assert "response_length/trajectory_mean" not in response_metrics([single], [])
+
+
+def test_eval_of_a_tools_run_runs_the_turn_loop(tool_chat_folder, task_file, tmp_path):
+    """`tailrl eval` on a run trained with agent.tools scores its held-out prompts through the same turn loop (tools
+    called, the model's turns scored), not as single-turn completions."""
+    import json
+
+    from tailrl.rl.evaluate import Source, eval_set, run_eval
+    from tests.rl_helpers import small_cfg
+
+    cfg = small_cfg(tool_chat_folder, task_file, tmp_path / "run", "agent.tools=[calculator]", "model.dtype=float32")
+    examples, _, _ = eval_set(cfg, None, 3)
+    out = tmp_path / "eval.jsonl"
+    summary = run_eval(Source(tool_chat_folder, cfg, "tools run"), examples, 4, 1.0, 32, None, 0, out)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 12 and all("tool_calls" in r for r in rows)
+    assert summary["turns"] >= 1 and summary["tool_calls"] == sum(len(r["tool_calls"]) for r in rows) / 12

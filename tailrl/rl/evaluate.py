@@ -154,11 +154,26 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
             make_speculator(spec))
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
         raise ValueError(str(e)) from e
-    examples = fit_prompts(examples, engine.encode, d.system_prompt, d.max_prompt_tokens, "eval")
+    loop = None
+    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (rl/agent/loop.py)
+        from .agent.loop import AgentLoop
+
+        loop = AgentLoop(cfg.agent, tokenizer)
+    encode = loop.encode_prompt if loop is not None else engine.encode
+    examples = fit_prompts(examples, encode, d.system_prompt, d.max_prompt_tokens, "eval")
     gen_n = 1 if temperature == 0 else n  # greedy: one completion stands for the n samples
     params = [SamplingParams(n=gen_n, max_tokens=max_tokens, temperature=temperature, top_p=r.top_p if temperature else 1.0,
                              top_k=r.top_k if temperature else 0, seed=seed * 1_000_003 + i) for i in range(len(examples))]
-    comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
+    if loop is None:
+        comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
+    else:
+        from .data import chat_prompt
+
+        try:
+            msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]
+            comps, _, agent_metrics = loop.run(engine, [ex.ids for ex in examples], msgs, params)
+        finally:
+            loop.close()
     name = reward or accuracy_name(cfg.reward.accuracy, cfg.reward.functions)
     runner = RewardRunner([name], timeout_s=cfg.reward.timeout_s, max_failed_steps=10**9)
     try:
@@ -177,14 +192,19 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
             rejected += 1
             continue
         rows = [{"index": i, "sample": j, "prompt": ex.prompt, "answer": ex.answer, "completion": c.text,
-                 "reward": scored[id(c)], "correct": scored[id(c)] >= 1.0, "length": len(c.token_ids),
-                 "finish_reason": c.finish_reason, "pred": extract_answer(c.text)}
+                 "reward": scored[id(c)], "correct": scored[id(c)] >= 1.0,
+                 "length": sum(c.response_mask) if c.response_mask is not None else len(c.token_ids),
+                 "finish_reason": c.finish_reason, "pred": extract_answer(c.text),
+                 **({"tool_calls": c.trajectory["tool_calls"]} if c.trajectory else {})}
                 for j, c in enumerate(mine * (n // gen_n))]
         groups.append(rows)
     _write_jsonl(out, [r for g in groups for r in g])
     summary = summarize(groups, n)
     summary.update({"reward": name, "rejected": rejected, "reward_errors": stats.errors + stats.timeouts,
                     "tokens_per_s": comps.stats.tokens_per_s, "accept_length": comps.stats.metrics().get("spec/accept_length")})
+    if loop is not None:
+        summary.update({k.split("/", 1)[1]: agent_metrics[k] for k in ("agent/tool_calls", "agent/turns",
+                                                                       "agent/tool_errors") if k in agent_metrics})
     return summary
 
 
