@@ -147,22 +147,30 @@ def tiny_lm(tmp_path_factory):
 VLLM_WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(59)]
 
 
-def make_tiny_vllm_model(folder) -> str:
-    """A tiny Llama vLLM's CPU kernels take (head_dim 64) with a word-level tokenizer of 64 words."""
+VLLM_TOOL_WORDS = VLLM_WORDS[:5] + ["<|system|>", "<calc>", "</calc>", "<result>", "</result>", "+", "####"] + [
+    str(d) for d in range(10)] + [f"w{i}" for i in range(42)]
+
+
+def make_tiny_vllm_model(folder, words=VLLM_WORDS, scale: float = 30.0, chat: bool = False) -> str:
+    """A tiny Llama vLLM's CPU kernels take (head_dim 64) with a word-level tokenizer of 64 words. chat: a chat template
+    (as make_tiny_chat_model's); scale: the LM head's (30: peaked, context-dependent next-token distributions)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VLLM_WORDS)}, unk_token="<pad>"))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<eos>")
-    cfg = AutoConfig.for_model("llama", vocab_size=len(VLLM_WORDS), hidden_size=128, intermediate_size=256,
+    if chat:
+        fast.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+                              "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}")
+    cfg = AutoConfig.for_model("llama", vocab_size=len(words), hidden_size=128, intermediate_size=256,
                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        hf.lm_head.weight.mul_(30.0)  # peaked, context-dependent next-token distributions
+        hf.lm_head.weight.mul_(scale)
     hf.save_pretrained(folder)
     fast.save_pretrained(folder)
     return str(folder)

@@ -54,10 +54,10 @@ def agent_problem(cfg) -> str | None:
     a, r = cfg.agent, cfg.rollout
     if not a.enabled:
         return None
-    if r.backend == "vllm":
-        return ("agent.tools with rollout.backend=vllm: the turn loop runs on our engine only so far (it parks a "
-                "trajectory at a tool call and re-submits it with its observation; the vLLM backend has no such "
-                "loop yet). Use rollout.backend=tailrl")
+    if r.backend == "vllm" and r.vllm_spec == "tailrl":
+        return ("agent.tools with rollout.vllm_spec=tailrl: our history proposer inside vLLM matches requests to the "
+                "step's prompts, and a trajectory's later turns are new requests it does not know; not built yet. "
+                "Use rollout.vllm_spec=off, ngram or suffix, or rollout.backend=tailrl (history drafts across turns)")
     if r.partial:
         return ("agent.tools with rollout.partial=true: a partial rollout would have to carry a trajectory across a "
                 "pending tool call and its turns; not built yet. Set rollout.partial=false")

@@ -75,8 +75,18 @@ class VllmRollout:
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
+        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives vLLM's engine (turns.py)
+        if cfg.agent.enabled:
+            if self.proposer:
+                raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
+                                 "not built yet; set rollout.vllm_spec=off")
+            from ...agent.loop import AgentLoop
+
+            self.agent = AgentLoop(cfg.agent, tokenizer)
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.cluster is not None:
             self.cluster.shutdown()
         self.llm = self.cluster = None
@@ -125,11 +135,38 @@ class VllmRollout:
     def generate(self, examples: list, step: int, weights, last_step_s: float, gen_round: int = 0) -> Completions:
         """rollout.n samples per prompt, in (prompt, sample) order, with the logprobs of the tokens drawn."""
         r = self.cfg.rollout
+        if self.agent is not None:
+            return self._agent_rollout(examples, r.n, r.temperature, step, gen_round)
         return self._run([ex.ids for ex in examples], self._params(r.n, r.temperature, r.max_tokens))
 
     def greedy(self, examples: list) -> list:
-        comps = self._run([ex.ids for ex in examples], self._params(1, 0.0, self.cfg.rollout.max_tokens), observe=False)
+        if self.agent is not None:
+            comps = self._agent_rollout(examples, 1, 0.0, 0)
+        else:
+            comps = self._run([ex.ids for ex in examples], self._params(1, 0.0, self.cfg.rollout.max_tokens),
+                              observe=False)
         return [c for c in comps if c.finish_reason != "error"]
+
+    def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
+        """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
+        prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
+        from ....engine.sampling import SamplingParams
+        from ...data import chat_prompt
+        from ..base import step_seed
+        from .turns import VllmTurns
+
+        r, seed = self.cfg.rollout, self.cfg.trainer.seed
+        params = [SamplingParams(n=n, max_tokens=r.max_tokens, temperature=temperature, top_k=r.top_k if temperature else 0,
+                                 top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
+                  for i in range(len(examples))]
+        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
+        comps, records, agent = self.agent.run(VllmTurns(self.llm), [ex.ids for ex in examples], msgs, params)
+        st = comps.stats
+        st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
+        st.decode_s = st.total_s
+        self.engine.last_stats = st
+        self._agent_metrics = agent
+        return comps
 
     def load_policy(self, policy: torch.nn.Module) -> int:
         return self.load_weights(policy.state_dict().items())
@@ -145,12 +182,16 @@ class VllmRollout:
         return {}
 
     def encode(self, prompt) -> list[int]:
+        if self.agent is not None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.agent.encode_prompt(prompt)  # hermes: the tools' schemas in the prompt
         return self.engine.encode(prompt)
 
     def metrics(self) -> dict:
         st = self.engine.last_stats
         cluster = self.cluster.metrics if self.cluster is not None else {}
-        return {"rollout/batch_invariant": 0.0, "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(), **cluster}
+        agent = getattr(self, "_agent_metrics", None) or {}
+        return {"rollout/batch_invariant": 0.0, "perf/gen_tokens_per_s": st.tokens_per_s, **st.metrics(), **cluster,
+                **agent}
 
     def progress(self) -> tuple[int, int]:
         return self.engine.last_stats.generated_tokens, 0  # vLLM's batch is not ours to count
