@@ -78,10 +78,27 @@ def engine_backend(args, model, tokenizer, sampling, config):
     header = (f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
               + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
 
+    if args.tools:  # the agent's turn loop on the engine, the tools beside it (rl/agent/loop.py)
+        from .rl.agent.config import AgentConfig
+        from .rl.agent.loop import AgentLoop
+
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None) or args.no_chat:
+            raise ValueError("--tools needs chat prompts: a model with a chat template, without --no-chat")
+        loop = AgentLoop(AgentConfig(tools=list(args.tools), max_turns=args.max_turns), tokenizer)
+
+        def generate(prompts):
+            msgs = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+            ids = [loop.encode_prompt(m) for m in msgs]
+            comps, _, _ = loop.run(engine, ids, msgs, [sampling] * len(ids))
+            engine.end_rollout(comps.stats)
+            return comps, comps.stats
+
+        return generate, header, loop.close
+
     def generate(prompts):
         return engine.generate(prompts, sampling, progress=not args.quiet), engine.last_stats
 
-    return generate, header
+    return generate, header, None
 
 
 def vllm_backend(args, model, tokenizer, sampling):
@@ -152,12 +169,15 @@ def cmd_generate(args) -> int:
             if is_adapter(args.model):
                 raise ValueError(f"--backend vllm loads an HF folder, not the adapter folder {args.model}: write the "
                                  "merged model (train with actor.lora.merged_export=true) and give its folder")
+            if args.tools:
+                raise ValueError("--tools runs on our engine (--backend tailrl); vLLM runs tools in training "
+                                 "(rollout.backend=vllm with agent.tools)")
             generate, close = vllm_backend(args, model, tokenizer, sampling)
         else:
             config = EngineConfig(kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs, seed=args.seed or 0,
                                   spec=SpecConfig(mode=args.spec, seed=args.seed or 0),
                                   batch_invariant={"true": True, "false": False}.get(args.batch_invariant, "auto"))
-            generate, header = engine_backend(args, model, tokenizer, sampling, config)
+            generate, header, close = engine_backend(args, model, tokenizer, sampling, config)
             print(header)
     except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: batch_invariant=true where the probe failed
         print(f"error: {e}", file=sys.stderr)
@@ -188,6 +208,9 @@ def cmd_generate(args) -> int:
                     rec = {"index": index, "sample": j, "prompt": prompt, "text": c.text, "token_ids": c.token_ids,
                            "logprobs": c.logprobs, "finish_reason": c.finish_reason, "error": c.error, "timing": c.timing,
                            "spec": c.stats}
+                    if c.trajectory is not None:  # --tools: the mask, the conversation and the calls
+                        rec.update(response_mask=c.response_mask, conversation=c.trajectory["conversation"],
+                                   tool_calls=c.trajectory["tool_calls"])
                 if rec["error"] and j == 0:
                     print(f"warning: row {index}: {rec['error']}", file=sys.stderr)
                 counts[rec["finish_reason"]] = counts.get(rec["finish_reason"], 0) + 1
@@ -229,5 +252,8 @@ def add_parser(sub) -> None:
                         "ngram | suffix (rollout.vllm_spec)")
     g.add_argument("--drafter", help="a learned drafter folder (tailrl drafter train) to draft with")
     g.add_argument("--epochs", type=int, default=1, help="generate the prompt set this many times (history drafts)")
+    g.add_argument("--tools", action="append", help="a tool the model may call: calculator, python or module:function "
+                   "(repeatable); runs the multi-turn turn loop (docs/agents.md)")
+    g.add_argument("--max-turns", type=int, default=4, help="with --tools: model turns per trajectory at most")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(func=cmd_generate)

@@ -296,3 +296,22 @@ def test_eval_of_a_tools_run_runs_the_turn_loop(tool_chat_folder, task_file, tmp
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 12 and all("tool_calls" in r for r in rows)
     assert summary["turns"] >= 1 and summary["tool_calls"] == sum(len(r["tool_calls"]) for r in rows) / 12
+
+
+def test_generate_with_tools_writes_trajectories_and_names_a_tool_that_does_not_load(tool_chat_folder, tmp_path,
+                                                                                       capsys):
+    import json
+
+    from tailrl.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a} + {b} ?"}) + "\n" for a, b in ((1, 2), (3, 4))))
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", tool_chat_folder, "--prompts", str(prompts), "--out", str(out), "--n", "3",
+            "--max-tokens", "24", "--seed", "5", "--dtype", "float32", "--quiet"]
+    assert main(args + ["--tools", "calculator"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 6 and all("tool_calls" in r and len(r["response_mask"]) == len(r["token_ids"]) for r in rows)
+    assert all(r["conversation"][0]["role"] == "user" for r in rows)
+    assert main(args + ["--tools", "nosuchmodule:lookup"]) == 2
+    assert "nosuchmodule" in capsys.readouterr().err
