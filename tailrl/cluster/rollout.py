@@ -67,6 +67,23 @@ class ClusterRollout:
             log.warning("worker %d failed to load weights (%s); it restarts at the next step", w, why)
         return time.perf_counter() - t
 
+    def run_each(self, fn: str, args: dict[int, tuple]) -> dict[int, object]:
+        """fn(engine, *args[w]) on each worker w at once (RolloutWorker.run); a worker that fails or times out is a
+        RuntimeError naming it: the caller's work is not silently lost."""
+        live = set(self._live())
+        missing = sorted(set(args) - live)
+        if missing:
+            raise RuntimeError(f"rollout workers {missing} are not running")
+        calls = {w: self.pool.submit(w, "run", fn, *a) for w, a in args.items()}
+        done, failed = self.pool.gather(calls, self.cfg.step_timeout_s)
+        if failed:
+            raise RuntimeError("rollout workers failed: " + "; ".join(f"{w}: {why}" for w, why in failed.items()))
+        return done
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._live())
+
     def history_state(self) -> dict | None:
         return self.pool.call(self._live()[0], "history_state")
 

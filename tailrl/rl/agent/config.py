@@ -61,7 +61,7 @@ def agent_problem(cfg) -> str | None:
     if r.partial:
         return ("agent.tools with rollout.partial=true: a partial rollout would have to carry a trajectory across a "
                 "pending tool call and its turns; not built yet. Set rollout.partial=false")
-    if r.workers > 1:
-        return ("agent.tools with rollout.workers > 1: the turn loop drives the in-process engine; Ray workers do "
-                "not run it yet. Set rollout.workers=1")
+    if r.workers > 1 and r.backend == "vllm":
+        return ("agent.tools with rollout.backend=vllm and rollout.workers > 1: the turn loop drives one in-process "
+                "vLLM; its Ray actors do not run it yet (our engine's workers do). Set rollout.workers=1")
     return None

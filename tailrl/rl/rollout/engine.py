@@ -135,6 +135,8 @@ class EngineRollout:
         r = self.cfg.rollout
         params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
                                  top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i, gen_round)) for i in range(len(examples))]
+        if self.cluster is not None and self.agent is not None:  # each worker runs its prompts' trajectories
+            return self._cluster_agent_rollout(examples, params, weights)
         if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
             comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
@@ -143,6 +145,21 @@ class EngineRollout:
             return self._agent_rollout(examples, params, step, last_step_s)
         ids = self.engine.add_requests([ex.ids for ex in examples], params)
         comps, _ = self._drive(ids, step, last_step_s, len(ids))
+        return comps
+
+    def _cluster_agent_rollout(self, examples: list, params: list, weights=None):
+        """Multi-turn trajectories on the Ray workers (rl/agent/remote.py): this step's weights first (none for the
+        eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
+        from ..agent.remote import cluster_agent_rollout
+        from ..data import chat_prompt
+
+        t = time.perf_counter()
+        sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
+        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
+        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs, params)
+        self.engine.last_stats = comps.stats
+        self._metrics = {**self._rollout_metrics(comps.stats), **agent, "timing_s/sync": sync_s,
+                         "timing_s/cluster_rollout": time.perf_counter() - t}
         return comps
 
     def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):

@@ -1,0 +1,64 @@
+"""The agent's turn loop on Ray rollout workers (rollout.workers > 1): each worker runs the trajectories of the prompts
+placed on it to their end, tools and all, so a trajectory stays on its worker across turns (its history drafts, its
+engine). The driver splits the prompts, gathers the completions in (prompt, sample) order and merges the metrics.
+
+On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers
+gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
+
+from __future__ import annotations
+
+from .config import AgentConfig
+
+FN = "tailrl.rl.agent.remote:worker_rollout"
+
+
+def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
+    """On a worker: (completions, agent metrics, GenerateStats) of these prompts' trajectories."""
+    from .loop import AgentLoop
+
+    loop = AgentLoop(cfg, engine.tokenizer)
+    try:
+        comps, _, metrics = loop.run(engine, prompts, msgs, params)
+    finally:
+        loop.close()
+    engine.end_rollout(comps.stats)
+    return list(comps), metrics, comps.stats
+
+
+def split(n: int, workers: int) -> list[list[int]]:
+    """Prompt indices per worker: round robin (a step's prompts are alike in expected length here)."""
+    return [list(range(w, n, workers)) for w in range(workers)]
+
+
+def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, params: list):
+    """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers."""
+    from ...engine.stats import Completions, GenerateStats
+
+    parts = [p for p in split(len(prompts), cluster.num_workers) if p]
+    args = {w: (cfg, [prompts[i] for i in idx], [msgs[i] for i in idx], [params[i] for i in idx])
+            for w, idx in enumerate(parts)}
+    done = cluster.run_each(FN, args)
+    by_prompt, metrics, stats, weights = {}, {}, [], []
+    for w, idx in enumerate(parts):
+        comps, m, st = done[w]
+        for c in comps:
+            c.prompt_index = idx[c.prompt_index]
+            by_prompt.setdefault(c.prompt_index, []).append(c)
+        n = len(comps)
+        for k, v in m.items():  # per-trajectory means weigh by trajectories; counts and seconds add
+            metrics[k] = metrics.get(k, 0.0) + (v * n if _is_mean(k) else v)
+        weights.append(n)
+        stats.append(st)
+    total = max(sum(weights), 1)
+    metrics = {k: (v / total if _is_mean(k) else v) for k, v in metrics.items()}
+    out = Completions(c for i in range(len(prompts)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
+    merged = GenerateStats()
+    for st in stats:
+        merged.merge(st)
+    merged.total_s = max((st.total_s for st in stats), default=0.0)  # the workers ran at once
+    out.stats = merged
+    return out, metrics
+
+
+def _is_mean(key: str) -> bool:
+    return key not in ("agent/tool_errors", "agent/tool_timeouts", "agent/tool_s")
