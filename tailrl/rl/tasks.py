@@ -58,7 +58,7 @@ TOOL_SHOTS = (("What is 482 * 17?", "482*17"), ("What is 1234 + 5678?", "1234+56
 def tool_prefix() -> list[dict]:
     """The few-shot prefix that makes SmolLM2-135M call the calculator: a system line and two exchanges (question ->
     <calc> -> <result> -> answer). From a system line alone it calls it in 0 of 16 samples, after two few-shot turns
-    in 16 of 16 (research/agentic-lora-2026-11.md); with the result in a user turn it then answers right."""
+    in 16 of 16 (measured; docs/agents.md); with the result in a user turn it then answers right."""
     out = [{"role": "system", "content": TOOL_SYSTEM}]
     for q, e in TOOL_SHOTS:
         v = eval(e, {"__builtins__": {}})  # two constant expressions of ours

