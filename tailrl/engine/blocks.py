@@ -76,6 +76,25 @@ class BlockTables:
                 heapq.heappush(self.free, b)
         self._set(row, [])
 
+    def detach(self, row: int) -> list[int]:
+        """Takes row's blocks out of its table, references and all (the scheduler parks them; `attach` or `drop`)."""
+        blocks = self.blocks[row]
+        self._set(row, [])
+        return blocks
+
+    def attach(self, row: int, blocks: list[int]) -> None:
+        """An empty row takes over parked blocks."""
+        if self.blocks[row]:
+            raise RuntimeError(f"attach into row {row}, which holds blocks")
+        self._set(row, list(blocks))
+
+    def drop(self, blocks: list[int]) -> None:
+        """Gives back parked blocks."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                heapq.heappush(self.free, b)
+
     def fork(self, src: int, dst: int, length: int) -> tuple[int, int] | None:
         """dst (an empty row) shares src's full blocks of positions < length and gets a block of its own for the
         rest. Returns (src's partial block, dst's copy of it) for the caller to copy, None when length ends on a

@@ -177,11 +177,17 @@ class Engine:
             ids.append(s.seq_id)
         return ids
 
+    def drop_kept(self, ids: list[int]) -> None:
+        """Frees the K/V that finished sequences with keep_kv parked (no request will resume them); unknown ids
+        and ids whose K/V memory took already are ignored."""
+        self.scheduler.drop_parked(ids)
+
     def sleep(self) -> None:
         """Frees the KV pools and the CUDA-graph pool between rollouts (verl's hybrid engine): colocated on a GPU,
         the policy update gets that memory. `wake` takes it back; nothing may be running or waiting."""
         if self.has_work():
             raise RuntimeError("the engine cannot sleep with requests running or waiting")
+        self.drop_kept(list(self.scheduler.parked))
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
         self.runner.kv.sleep()
@@ -194,6 +200,7 @@ class Engine:
     def end_rollout(self, stats: GenerateStats | None = None) -> None:
         """One rollout (an RL step) ended: the history drafter keeps this epoch's responses; stats.stale gets
         the acceptance watchdog's verdict per drafter."""
+        self.drop_kept(list(self.scheduler.parked))  # kept K/V does not outlive its rollout (weights move)
         if self.speculator is not None:
             stale = self.speculator.end_rollout()
             if stats is not None:

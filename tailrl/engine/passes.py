@@ -21,8 +21,8 @@ def prefill_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, 
     sequences), forks each prompt's cache to its samples and draws their first tokens."""
     t = time.perf_counter()
     leaders = [g[0] for g in groups]
-    lists = [s.prompt_ids + s.output_ids[:-1] for s in leaders]
-    logits, hidden = runner.prefill(lists, [s.slot for s in leaders])
+    lists = [(s.prompt_ids + s.output_ids[:-1])[s.kept:] for s in leaders]  # kept: a resumed request's held K/V
+    logits, hidden = runner.prefill(lists, [s.slot for s in leaders], [s.kept for s in leaders])
     fwd = time.perf_counter() - t
     if speculator is not None:
         speculator.record_forward(sum(map(len, lists)), fwd)

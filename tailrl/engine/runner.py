@@ -94,13 +94,14 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - t
         return logits, (hidden[self.hidden_layers[0]] if self.capture else None)
 
-    def prefill(self, token_lists: list[list[int]], slots: list[int]):
-        """Writes each list's K/V into its slot from position 0. Returns (logits at each list's last token [N, V],
+    def prefill(self, token_lists: list[list[int]], slots: list[int], starts: list[int] | None = None):
+        """Writes each list's K/V into its slot from position starts[i] (0: the whole prompt; more: a continuation
+        over K/V the slot holds already). Returns (logits at each list's last token [N, V],
         hidden [sum(lens), H] or None); the rows hold blocks for them (the scheduler grew them). A batch-invariant
         pass gives each list's K/V and logits the bits it would have alone, or in decode passes (engine/invariant.py),
         so prompts admitted together share one pass."""
         lens = [len(t) for t in token_lists]
-        step = make_step([0] * len(lens), lens, slots, self.device, invariant=self.invariant)
+        step = make_step(starts or [0] * len(lens), lens, slots, self.device, invariant=self.invariant)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         return self._forward([t for toks in token_lists for t in toks], step, logits_idx=last)
 

@@ -21,6 +21,13 @@ class SamplingParams:
     # turn). None: under its own prompt ids, turn 0. A multi-turn agent sets it for turns k >= 1, whose prompt is the
     # whole trajectory so far: epoch 2's turn k then drafts from epoch 1's turn k of the same prompt
     history: tuple | None = None
+    # keep_kv: a sample that finishes on a stop string or stop token (not EOS, length or error) keeps its KV blocks,
+    # parked under its seq_id, for a later request that continues it (resume); the engine frees them when memory
+    # asks, on Engine.drop_kept, or at end_rollout. resume: the seq_id whose kept KV this request continues (its
+    # prompt starts with that sequence's prompt and output): only the rest is prefilled, or all of it when the KV
+    # was freed meanwhile (engine/scheduler.py)
+    keep_kv: bool = False
+    resume: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -11,13 +11,23 @@ batch-invariant prefill gives a token the bits decoding gave it, so a preempted 
 would have emitted (tests/test_paged.py). A sequence that outgrows the whole pool alone finishes ("length", with
 an error naming the numbers) and the rest goes on.
 
+Kept KV across requests (an agent's turns): a sample whose params ask `keep_kv` and that finishes on a stop parks
+its blocks (prompt and tokens but the stop token) under its seq_id; a later request that names it as `resume` and
+whose prompt starts with those tokens takes them over at admission and prefills only the rest. Parked blocks are
+the first thing memory takes: admission and make_room free the oldest parked entries before they wait or preempt,
+so a slow tool never starves running sequences and the pool never deadlocks on parked KV; a request whose entry
+was freed prefills everything, as a preempted sequence does. On the batch-invariant passes both give the same bits
+(a continuation's prefill rows meet the calls a whole prefill's rows meet: engine/invariant.py), so the tokens do
+not depend on which happened; on the plain passes they agree to rounding only. Not with captured hidden states
+(the learned drafter needs every row's): nothing is parked then.
+
 Running sequences occupy rows 0..B-1 of the block tables: a finished sequence's row is taken over by the last
 running one (its table moves, no K/V is copied)."""
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 
 from .blocks import BLOCK, blocks_for
 from .runner import ModelRunner
@@ -44,6 +54,8 @@ class Scheduler:
         self.preempted = 0  # preemptions since the last take_counts
         self.order: dict[int, int] = {}  # seq_id -> admission number (preemption takes the newest)
         self._admitted = 0
+        self.parked: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()  # seq_id -> (tokens, blocks)
+        self.resumed_tokens = 0  # positions resumed requests did not prefill (kept K/V), since the engine began
 
     def add(self, group: list[Sequence]) -> None:
         self.waiting.append(group)
@@ -61,12 +73,18 @@ class Scheduler:
         while self.waiting:
             group = self.waiting[0]
             free_rows, plen = self.max_num_seqs - len(self.running), prefill_len(group[0])
-            if free_rows < 1 or (admitted and prefill_tokens + plen > self.max_prefill_tokens):
+            if free_rows < 1:
                 break
-            lead = blocks_for(plen + 1)  # the prompt and the first sampled token's position
+            kept = self._claim(group)
+            if admitted and prefill_tokens + plen - len(kept[0]) > self.max_prefill_tokens:
+                break
+            lead = blocks_for(plen + 1) - len(kept[1])  # the prompt and the first sampled token's position
             idle = not self.running and not admitted
             spare = self.kv.tables.num_free - forks - (0 if idle else self.watermark)
             k = min(len(group), free_rows, spare - lead + 1)  # samples that fit: lead + (k - 1) blocks
+            if k < 1 and self.parked:  # parked K/V gives way first, then the group waits
+                self._evict_oldest()
+                continue
             if k < 1:
                 if idle:  # the empty pool cannot hold its prompt
                     self.waiting.popleft()
@@ -74,6 +92,8 @@ class Scheduler:
                                       f"holds {self.kv.num_blocks - 1}: raise kv_cache_gb")
                     continue
                 break
+            if kept[1]:
+                del self.parked[group[0].params.resume]
             if k < len(group):  # the rest of the group waits; each part prefills
                 self.waiting[0] = group[k:]
                 group = group[:k]
@@ -84,11 +104,46 @@ class Scheduler:
                 self.running.append(seq)
                 self._admitted += 1
                 self.order[seq.seq_id] = self._admitted
+            if kept[1]:
+                self.kv.tables.attach(group[0].slot, kept[1])
+                group[0].kept = min(len(kept[0]), plen - 1)  # at least one token prefills: its logits
+                self.resumed_tokens += group[0].kept
             self.kv.ensure([group[0].slot], plen + 1)  # siblings fork it after the prefill (engine/passes.py)
             admitted.append(group)
-            prefill_tokens += plen
+            prefill_tokens += plen - group[0].kept
             forks += len(group) - 1
         return admitted
+
+    def _claim(self, group: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(tokens, blocks) parked for this group's `resume` when it is one fresh sample whose prompt continues
+        them; ([], []) otherwise (it prefills everything)."""
+        s = group[0]
+        entry = self.parked.get(s.params.resume) if s.params.resume is not None else None
+        if entry is None or len(group) > 1 or s.output_ids or s.prompt_ids[: len(entry[0])] != entry[0]:
+            return [], []
+        return entry
+
+    def park(self, seqs: list[Sequence]) -> None:
+        """Finished sequences that asked keep_kv and stopped on a stop keep their blocks (not past their tokens)."""
+        if self.runner.capture:
+            return
+        t = self.kv.tables
+        for s in seqs:
+            if s.params.keep_kv and s.finish_reason == "stop" and s.slot >= 0:
+                toks = s.prompt_ids + s.output_ids[:-1]
+                blocks = t.detach(s.slot)
+                n = blocks_for(len(toks))
+                t.drop(blocks[n:])
+                self.parked[s.seq_id] = (toks, blocks[:n])
+
+    def drop_parked(self, ids) -> None:
+        for i in ids:
+            entry = self.parked.pop(i, None)
+            if entry is not None:
+                self.kv.tables.drop(entry[1])
+
+    def _evict_oldest(self) -> None:
+        self.drop_parked([next(iter(self.parked))])
 
     def make_room(self, lookahead: int = 0) -> None:
         """Before a decode pass: each running sequence gets a block for its next root, oldest first, preempting
@@ -96,6 +151,9 @@ class Scheduler:
         draft rows past it."""
         for s in sorted(self.running, key=lambda s: self.order[s.seq_id]):
             while s.slot >= 0 and not self.kv.grow(s.slot, s.cache_len + 1):
+                if self.parked:  # parked K/V goes before any running sequence is preempted
+                    self._evict_oldest()
+                    continue
                 victim = max(self.running, key=lambda r: self.order[r.seq_id])
                 if victim is s and len(self.running) == 1:
                     held = self.kv.tables.held(s.slot)
@@ -131,6 +189,7 @@ class Scheduler:
 
     def release_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
+        self.park(done)
         self.remove_running(done)
         return done
 

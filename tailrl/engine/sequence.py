@@ -60,6 +60,7 @@ class Sequence:
     # chunks of the target's last hidden states, one row per cached token, when the engine captures them (the
     # learned drafter reads them; the completion returns them for drafter training)
     hidden: list = field(default_factory=list)
+    kept: int = 0  # positions whose K/V its row already held when admitted (a resumed request): not prefilled
 
     @property
     def cache_len(self) -> int:
