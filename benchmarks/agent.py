@@ -6,9 +6,11 @@ TRL's GRPOTrainer loop: generate every trajectory's turn, then run every tool, t
 AgentLoop with `lock_step=True`, so both draw the very same trajectories: the script checks it). The SD rows run
 the overlapped loop with rollout.spec.mode auto and off on the batch-invariant engine (the same tokens, checked).
 Earlier epochs (--epochs) draw other seeds than the timed one, as RL's next epoch does: history drafts come from
-other samples of the same prompt, turn by turn, not from copies of the timed trajectories.
+other samples of the same prompt, turn by turn, not from copies of the timed trajectories. Every row keeps a
+trajectory's K/V across its tool calls (agent.keep_kv) but the two `re-prefill` rows, which prefill all its ids
+again each turn (the engine before keep_kv; also the same tokens, checked).
 
-    python benchmarks/agent.py --task tool_chain --prompts 8 --n 4 --max-tokens 96 --tool-s 0.5
+    python benchmarks/agent.py --task lookup --prompts 8 --n 4 --max-tokens 160 --tool-s 0.5
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def bench_tools(task: str) -> dict:
     return {"calculator": make_tool(slow_calculator, name="calculator")}
 
 
-def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, task, llm=None):
-    """llm: a vllm.LLM to roll out on (rl/rollout/vllm/turns.py) instead of our engine."""
+def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, task, llm=None, keep_kv=True):
+    """llm: a vllm.LLM to roll out on (rl/rollout/vllm/turns.py) instead of our engine. keep_kv: our engine keeps a
+    trajectory's K/V while its tool runs (agent.keep_kv), or re-prefills all its ids every turn."""
     tools = bench_tools(task)
-    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64), tok, tools=tools)
+    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64, keep_kv=keep_kv),
+                     tok, tools=tools)
     if llm is not None:
         from tailrl.rl.rollout.vllm.turns import VllmTurns
 
@@ -97,9 +101,12 @@ def main() -> None:
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
     rows = agent_lookup.rows(a.prompts) if a.task == "lookup" else make_rows(a.task, a.prompts, seed=7)
     runs = {}
-    for name, spec, lock in (("overlapped, SD off", "off", False), ("lock-step, SD off", "off", True),
-                             ("overlapped, SD auto", "auto", False)):
-        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns, a.task)
+    for name, spec, lock, keep in (("overlapped, SD off", "off", False, True), ("lock-step, SD off", "off", True, True),
+                                   ("overlapped, SD auto", "auto", False, True),
+                                   ("overlapped, SD off, re-prefill", "off", False, False),
+                                   ("lock-step, SD off, re-prefill", "off", True, False)):
+        runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns, a.task,
+                             keep_kv=keep)
     if a.vllm:
         from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm
 
@@ -108,11 +115,12 @@ def main() -> None:
             runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, a.task, llm)
     base = runs["overlapped, SD off"][0]
     print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
-    print("| rollout | wall s | tool calls / traj | turns / traj | same trajectories |")
-    print("|---|---|---|---|---|")
+    print("| rollout | wall s | tool calls / traj | turns / traj | kept K/V tokens / traj | same trajectories |")
+    print("|---|---|---|---|---|---|")
     for name, (comps, wall, m) in runs.items():
         same = all(x.token_ids == y.token_ids for x, y in zip(comps, base))
-        print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {same} |")
+        print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | "
+              f"{m.get('agent/kv_kept_tokens', 0.0):.0f} | {same} |")
     lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
     st = runs["overlapped, SD auto"][0].stats
     toks = sum(sum(c.response_mask) for c in base)
@@ -120,6 +128,10 @@ def main() -> None:
           + ", ".join(f"{k} {v['drafted']}/{v['accepted']}" for k, v in st.drafters.items())
           + f"; decode steps {st.decode_steps} (SD off: {runs['overlapped, SD off'][0].stats.decode_steps})")
     print(f"overlapped / lock-step speedup: {lock / over:.2f}x; SD auto / off on the overlapped rollout: {over / sd:.2f}x")
+    re_over, re_lock = runs["overlapped, SD off, re-prefill"][1], runs["lock-step, SD off, re-prefill"][1]
+    print(f"K/V kept across tool calls / re-prefilled: {re_over / over:.2f}x overlapped, {re_lock / lock:.2f}x lock-step; "
+          f"overlapped + kept + SD auto against lock-step re-prefilled, SD off (TRL's loop on an engine without a "
+          f"prefix cache): {re_lock / sd:.2f}x")
     if a.vllm:  # vLLM's tokens are its own (other kernels): "same trajectories" compares its two rows
         v_over, v_lock = runs["vLLM overlapped"], runs["vLLM lock-step"]
         same = all(x.token_ids == y.token_ids for x, y in zip(v_over[0], v_lock[0]))

@@ -16,7 +16,7 @@ SLEEP_S = 0.5
 
 CORPUS = {
     "Oslo": "Oslo is the capital of Norway. It lies at the head of the Oslofjord and has about 0.7 million people.",
-    "Lima": "Lima is the capital of Peru. It lies on the Pacific coast and has about 10 million people.",
+    "Lima": "Lima is the capital of Peru. It lies on the Pacific coast and has about 10.9 million people.",
     "Cairo": "Cairo is the capital of Egypt. It lies on the Nile river and has about 10 million people.",
     "Paris": "Paris is the capital of France. It lies on the Seine river and has about 2.1 million people.",
     "Rome": "Rome is the capital of Italy. It lies on the Tiber river and has about 2.8 million people.",

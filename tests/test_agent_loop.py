@@ -87,17 +87,19 @@ def test_hermes_format_parses_json_calls_and_returns_errors_as_calls():
 
 # ---- the loop on the engine ---------------------------------------------------------------------------------------
 
-def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4, epochs=1):
+def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4, epochs=1, keep_kv=True, kv_gb=0.2,
+             invariant=True):
     """epochs > 1: the same prompts again on the same engine (new seeds, as RL's next epoch), history kept."""
     model, tok = model_tok
-    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns), tok)
-    eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0,
+    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, keep_kv=keep_kv), tok)
+    eng = Engine(model, tok, EngineConfig(kv_cache_gb=kv_gb, batch_invariant=invariant, seed=0,
                                           spec=SpecConfig(mode=spec, min_match=1)))
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
     prompts = [loop.encode_prompt(m) for m in msgs]
     for e in range(epochs):
         params = [SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=11 + i + 100 * e) for i in range(len(msgs))]
         comps, records, metrics = loop.run(eng, prompts, msgs, params)
+        loop.parked_after = len(eng.scheduler.parked)  # kept K/V of ended trajectories is dropped at once
         eng.end_rollout(comps.stats)
     loop.close()
     loop.engine = eng
@@ -138,6 +140,24 @@ def test_speculation_on_and_off_give_the_very_same_trajectories_tool_calls_inclu
         assert a.token_ids == b.token_ids and a.response_mask == b.response_mask
         assert a.trajectory["tool_calls"] == [dict(x, seconds=y["seconds"]) for x, y in
                                               zip(b.trajectory["tool_calls"], a.trajectory["tool_calls"])]
+
+
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_kept_kv_across_tool_calls_gives_the_very_trajectories_of_a_full_reprefill(tool_chat, spec):
+    """agent.keep_kv: a turn that stops at a call keeps its K/V while the tool runs and the next turn prefills only
+    the observation; on the batch-invariant engine the trajectories equal those that re-prefill every turn, in a
+    roomy pool and in one so small that parked K/V is evicted; nothing stays parked after the loop."""
+    loop, kept, m = run_loop(tool_chat, spec)
+    _, full, m_full = run_loop(tool_chat, spec, keep_kv=False)
+    c = tool_chat[0].config  # a pool of 12 blocks of 16 positions: one trajectory fits (<= 40 + prompt), 12 do not
+    gb = 13.5 * 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 / 2**30
+    small, tight, m_tight = run_loop(tool_chat, spec, kv_gb=gb)
+    assert m["agent/tool_calls"] > 0 and m["agent/kv_kept_tokens"] > 0 and m_full["agent/kv_kept_tokens"] == 0
+    assert loop.parked_after == 0 and small.parked_after == 0
+    assert small.engine.scheduler.evicted > 0, "the small pool never evicted parked K/V"
+    for a, b, c in zip(kept, full, tight):
+        assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
+        assert a.response_mask == b.response_mask == c.response_mask
 
 
 def test_a_users_tool_from_the_command_line_is_called(tool_chat, tmp_path, monkeypatch):

@@ -177,6 +177,11 @@ class Engine:
             ids.append(s.seq_id)
         return ids
 
+    @property
+    def kept_tokens(self) -> int:
+        """Positions that resumed requests did not prefill because their K/V was kept (since the engine began)."""
+        return self.scheduler.resumed_tokens
+
     def drop_kept(self, ids: list[int]) -> None:
         """Frees the K/V that finished sequences with keep_kv parked (no request will resume them); unknown ids
         and ids whose K/V memory took already are ignored."""

@@ -56,6 +56,7 @@ class Scheduler:
         self._admitted = 0
         self.parked: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()  # seq_id -> (tokens, blocks)
         self.resumed_tokens = 0  # positions resumed requests did not prefill (kept K/V), since the engine began
+        self.evicted = 0  # parked entries freed for memory, since the engine began
 
     def add(self, group: list[Sequence]) -> None:
         self.waiting.append(group)
@@ -104,6 +105,7 @@ class Scheduler:
                 self.running.append(seq)
                 self._admitted += 1
                 self.order[seq.seq_id] = self._admitted
+            group[0].kept = 0  # a preempted resumed request held its K/V once: it prefills everything now
             if kept[1]:
                 self.kv.tables.attach(group[0].slot, kept[1])
                 group[0].kept = min(len(kept[0]), plen - 1)  # at least one token prefills: its logits
@@ -116,10 +118,14 @@ class Scheduler:
 
     def _claim(self, group: list[Sequence]) -> tuple[list[int], list[int]]:
         """(tokens, blocks) parked for this group's `resume` when it is one fresh sample whose prompt continues
-        them; ([], []) otherwise (it prefills everything)."""
+        them; ([], []) otherwise (it prefills everything, and an entry it does not continue is freed: only the
+        request that names it could use it)."""
         s = group[0]
         entry = self.parked.get(s.params.resume) if s.params.resume is not None else None
-        if entry is None or len(group) > 1 or s.output_ids or s.prompt_ids[: len(entry[0])] != entry[0]:
+        if entry is None:
+            return [], []
+        if len(group) > 1 or s.output_ids or s.prompt_ids[: len(entry[0])] != entry[0]:
+            self.drop_parked([s.params.resume])
             return [], []
         return entry
 
@@ -144,6 +150,7 @@ class Scheduler:
 
     def _evict_oldest(self) -> None:
         self.drop_parked([next(iter(self.parked))])
+        self.evicted += 1
 
     def make_room(self, lookahead: int = 0) -> None:
         """Before a decode pass: each running sequence gets a block for its next root, oldest first, preempting

@@ -28,6 +28,10 @@ class AgentConfig:
     # compare every trajectory's ids with a full re-tokenization of its conversation (verl's sanity check); the
     # share that differ is agent/token_drift, and the first difference is logged once
     strict_tokens: bool = True
+    # on our engine, a trajectory waiting on its tool keeps its KV blocks (parked, the first thing memory takes back),
+    # and its next turn prefills only the observation and template tokens, not the whole trajectory again; the
+    # tokens are the same either way on the batch-invariant engine. Off: every turn re-prefills all its ids
+    keep_kv: bool = True
 
     def __post_init__(self):
         checks = [

@@ -8,8 +8,11 @@ Invariants:
 - a trajectory's tokens do not depend on when its tools answered or what it was batched with: turn k of sample j
   draws from `turn_seed(seed + j, k)` by position in that turn, and on the batch-invariant engine a request's tokens
   do not depend on its batch, so speculation on and off give the very same trajectories, tool calls included;
-- the engine sees plain requests (it never imports agent/); a returning trajectory is re-prefilled (its prompt is
-  all its ids): our engine keeps no prefix cache across requests, so the KV of earlier turns is recomputed;
+- the engine sees plain requests (it never imports agent/); a returning trajectory's prompt is all its ids. With
+  agent.keep_kv a turn that stops at a call asks the engine to park its KV (SamplingParams.keep_kv) and the next
+  turn names it (resume): only the observation and template tokens are prefilled. Parked KV is the first thing the
+  engine frees under memory pressure (then the turn prefills all its ids), and it is dropped the moment its
+  trajectory ends; on the batch-invariant engine both ways give the same bits, so the tokens do not depend on it;
 - speculation across turns: turn k's request names (prompt, k) as its history key (SamplingParams.history), so the
   history drafter drafts it from turn k of the same prompt in earlier epochs and from its siblings' turn k now, not
   from whole-trajectory prompts that differ from epoch to epoch; the ngram drafter copies tool outputs and earlier
@@ -67,7 +70,9 @@ class AgentLoop:
         engine step (the rollout feeds its lender, and so on). lock_step: the baseline of benchmarks/agent.py (TRL's
         loop): no trajectory resumes before every turn in flight has ended and every tool has answered."""
         t0 = time.perf_counter()
-        base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop) for p in params]
+        keep = self.cfg.keep_kv and hasattr(engine, "drop_kept")
+        kept0 = engine.kept_tokens if keep else 0
+        base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop, keep_kv=keep) for p in params]
         trajs: list[Trajectory] = []
         owner: dict[int, tuple[Trajectory, SamplingParams]] = {}
         ids = engine.add_requests(prompts, base)
@@ -86,7 +91,9 @@ class AgentLoop:
             if lock_step and (engine.has_work() or len(ready) < len(pending)):
                 ready = []
             for fut in ready:
-                self._resume(engine, *pending.pop(fut), fut.result(), owner)
+                tr, p, calls = pending.pop(fut)
+                if not self._resume(engine, tr, p, calls, fut.result(), owner) and keep:
+                    engine.drop_kept([p.resume])
             if not engine.has_work():
                 if pending:
                     wait(list(pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
@@ -99,13 +106,17 @@ class AgentLoop:
             for c in out.finished:
                 tr, p = owner.pop(c.seq_id)
                 calls = self._end_turn(tr, c)
-                if calls:
-                    pending[self.pool.submit(self.tools, calls)] = (tr, p, calls)
+                if calls:  # the next turn continues this one's parked KV (if the engine kept it)
+                    pending[self.pool.submit(self.tools, calls)] = (tr, dataclasses.replace(p, resume=c.seq_id), calls)
+                elif keep:  # the trajectory ended: this turn's K/V, and the last one's if this turn never took it
+                    engine.drop_kept([c.seq_id, p.resume])
         stats.total_s = time.perf_counter() - t0
         comps = Completions(self._completion(tr) for tr in trajs)
         comps.stats = stats
         self.last = trajs
-        return comps, records, self._metrics(trajs, t0, stats.total_s)
+        metrics = self._metrics(trajs, t0, stats.total_s)
+        metrics["agent/kv_kept_tokens"] = (engine.kept_tokens - kept0) / max(len(trajs), 1) if keep else 0.0
+        return comps, records, metrics
 
     def _end_turn(self, tr: Trajectory, c: Completion) -> list:
         """Appends a finished turn; returns the tool calls to run next (none: the trajectory has ended)."""
@@ -125,8 +136,9 @@ class AgentLoop:
         tr.finish_reason, tr.error, tr.t_done = reason, error, time.perf_counter()
         return []
 
-    def _resume(self, engine, tr: Trajectory, p: SamplingParams, calls: list, results: list, owner: dict) -> None:
-        """The tool answered: the observation's ids go in (mask 0) and the trajectory re-enters as a new request."""
+    def _resume(self, engine, tr: Trajectory, p: SamplingParams, calls: list, results: list, owner: dict) -> bool:
+        """The tool answered: the observation's ids go in (mask 0) and the trajectory re-enters as a new request
+        (p.resume: the finished turn's sequence, whose parked KV it continues). False: it ended here instead."""
         for r in results:
             r.text = self.delta.truncate(r.text, self.cfg.max_tool_tokens, self.cfg.truncate_side)
         turn = tr.turns[-1]
@@ -136,13 +148,14 @@ class AgentLoop:
         room = p.max_tokens - len(tr.ids) - len(join)
         if room < 1:  # no room for the observation and a token after it: the trajectory ends at its call
             self._finish(tr, "length")
-            return
+            return False
         turn.observation = obs
         tr.add_template(join)
         k = len(tr.turns)  # the next turn: history drafts from turn k of this prompt in earlier epochs and siblings
         nxt = dataclasses.replace(p, max_tokens=room, seed=turn_seed(tr.seed, k), history=(tr.prompt_ids, k))
         (sid,) = engine.add_requests([tr.prompt_ids + tr.ids], nxt)
         owner[sid] = (tr, p)
+        return True
 
     def _completion(self, tr: Trajectory) -> Completion:
         reason = {"max_turns": "stop"}.get(tr.finish_reason, tr.finish_reason or "error")
