@@ -25,11 +25,16 @@ def _dtype(t) -> str:
 
 def header_lines(trainer, loggers_where: dict[str, str], resumed: bool) -> list[tuple[str, str]]:
     """(label, text) rows describing the run about to start."""
+    import math
+
     import torch
 
     cfg, r, t, d = trainer.cfg, trainer.cfg.rollout, trainer.cfg.trainer, trainer.cfg.data
     params = sum(p.numel() for p in trainer.policy.parameters())
-    trainable = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
+    if cfg.actor.lora.rank:  # the adapters' tensors, whichever process holds them (N ranks: trainer.policy is the engine's)
+        trainable = sum(math.prod(s) for s in trainer.actor.shapes().values())
+    else:
+        trainable = sum(p.numel() for p in trainer.policy.parameters() if p.requires_grad)
     device = next(trainer.policy.parameters()).device
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     source = d.train_file + (f" (eval: {d.eval_file})" if d.eval_file else "") if d.train_file else (

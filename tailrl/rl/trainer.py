@@ -53,10 +53,6 @@ def make_actor(cfg: Config, rollout_dtype: torch.dtype):
     from ..model import load_model
     from .actor.group import ActorGroup
 
-    if cfg.actor.lora.rank:
-        raise ValueError("actor.lora.rank > 0 trains at trainer.world_size=1 for now (FSDP2 ranks do not shard "
-                         "adapters yet)")
-
     model, tokenizer = load_model(cfg.model.path, device=device_of(cfg), dtype=rollout_dtype)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model.path!r} has no tokenizer; training needs one for prompts and rewards")

@@ -19,14 +19,14 @@ import torch
 from ...config import Config
 from ...model import load_model, save_pretrained
 from ..checkpoint.store import non_finite_params
-from .fsdp import apply_fsdp, full_layers, local_bytes
+from .fsdp import apply_fsdp, apply_fsdp_lora, full_layers, local_bytes
 from .forward import Batch
 from .logprobs import Warp
 from .precision import Precision, make_adamw, resolve_mode
 from .ranks import SINGLE, Ranks
 from ..algos import lr_at
 from .update import policy_update
-from .lora import BaseReference, add_adapters, merge_into
+from .lora import BaseReference, add_adapters, merge_into, merged_layers
 
 
 def device_of(cfg: Config) -> str:
@@ -46,9 +46,13 @@ class Actor:
         self.policy.requires_grad_(True)
         t = cfg.trainer
         if self.lora:
-            # the engine runs its own ordinary copy, into which every sync merges W + (alpha/r) B A (lora.py)
-            self.engine_model = copy.deepcopy(self.policy).requires_grad_(False).to(rollout_dtype)
+            # the engine runs its own ordinary copy, into which every sync merges W + (alpha/r) B A (lora.py); over N
+            # ranks the rollout holds its own model, and the merged weights reach it streamed (merged_layers)
+            self.engine_model = (copy.deepcopy(self.policy).requires_grad_(False).to(rollout_dtype)
+                                 if ranks.world == 1 else None)
             add_adapters(self.policy, self.lora)
+            if ranks.world > 1:  # the adapters sharded, the frozen base whole on every rank (fsdp.apply_fsdp_lora)
+                apply_fsdp_lora(self.policy, t.offload, t.activation_checkpointing)
             self.prec = Precision(self.policy, "float32")  # the base is already in its compute dtype
             self.prec.mode = mode
             self.ref = BaseReference(self.policy) if cfg.algo.kl_coef > 0 else None  # no second copy of the base
@@ -106,6 +110,9 @@ class Actor:
 
     def layers(self, dtype: torch.dtype | None = None):
         """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own."""
+        if self.lora and self.ranks.world > 1:  # every rank gathers a layer's adapters; rank 0 streams (group.py)
+            yield from merged_layers(self.policy, dtype)
+            return
         if self.lora:
             merge_into(self.policy, self.engine_model)
             merged = self.engine_model.named_parameters()
@@ -136,9 +143,19 @@ class Actor:
         format there (and, with actor.lora.merged_export, the merged model in folder/merged at the end)."""
         if self.lora:
             from ...model import resolve_model_path
-            from .lora_io import save_adapter, save_merged
+            from .lora_io import adapter_state, save_adapter, save_merged
 
             base = str(Path(resolve_model_path(self.cfg.model.path)).resolve())
+            if self.ranks.world > 1:  # every rank gathers the adapters (and the merged layers); rank 0 writes
+                from .group import write_layers
+
+                state = adapter_state(self.policy, gather=True)
+                if self.ranks.rank == 0:
+                    save_adapter(self.policy, folder / "model", self.lora, base, state)
+                if final and self.lora.merged_export:
+                    write_layers(merged_layers(self.policy, torch.float32), folder / "merged", self.policy.config,
+                                 self.ranks.rank == 0, self.tokenizer)
+                return
             save_adapter(self.policy, folder / "model", self.lora, base)
             if final and self.lora.merged_export:
                 save_merged(self.policy, folder / "merged", self.tokenizer)
@@ -154,7 +171,7 @@ class Actor:
 
     def shapes(self) -> dict:
         """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it."""
-        if self.lora:
+        if self.lora:  # PEFT's names (a DTensor shard's shape is the whole tensor's)
             from .lora_io import adapter_state
 
             return {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
@@ -191,7 +208,7 @@ class Actor:
         """Every rank: its shards of the weights (and AdamW's moments) into folder (checkpoint/sharded_io.py)."""
         from ..checkpoint.sharded_io import save_sharded
 
-        save_sharded(folder, self.policy, self.optimizer, self.keeps_optimizer(final))
+        save_sharded(folder, self.policy, self.optimizer, self.keeps_optimizer(final))  # LoRA: the adapters only
 
     def load_sharded(self, folder: Path) -> bool:
         """Every rank: a sharded checkpoint written at any world size. Returns whether it held optimizer state."""

@@ -33,6 +33,33 @@ def apply_fsdp(model: torch.nn.Module, mode: str, offload: bool = False, checkpo
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
 
 
+def apply_fsdp_lora(model: torch.nn.Module, offload: bool = False, checkpointing: bool = False) -> None:
+    """LoRA over FSDP2 (a model after lora.add_adapters): the same groups as `apply_fsdp` (each decoder layer, then
+    the root), each managing only its trainable tensors (the adapters: `ignored_params` is the frozen base), so the
+    fp32 adapters, their gradients and AdamW's moments are sharded and the frozen base stays whole on every rank, in
+    its compute dtype. Why the base is not sharded: FSDP2 gathers a group in one dtype, and the base (bf16) and the
+    adapters (fp32 masters) would then be gathered both in bf16 (param_dtype) -- the adapters rounded before their
+    own per-use cast, and the base re-gathered in every forward and backward for nothing it learns. The adapters
+    are gathered in fp32 (no param_dtype) and computed as at one rank (lora.ComputeCast, _lean_forward: cast per
+    use to the base's dtype), gradients reduced in fp32. A decoder layer's pre-forward hook gathers its adapters
+    whatever reads them (the fused `_lean_forward` reads the weights directly, not through the adapter modules'
+    forward), and the backward hook gathers them again (reshard after forward)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    for layer in model.model.layers:
+        if checkpointing:
+            checkpoint_layer(layer)
+        fully_shard(layer, mp_policy=mp, ignored_params={p for p in layer.parameters() if p in frozen}, **extra)
+    fully_shard(model, mp_policy=mp, ignored_params=frozen, **extra)
+    register_fsdp_forward_method(model, "forward_shared")
+    for m in [*model.model.layers, model]:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+
+
 def checkpoint_layer(layer: torch.nn.Module) -> None:
     """Activation checkpointing of one decoder layer: its activations are recomputed in the backward. The
     layer's forward is wrapped in place, so parameter names (and checkpoints) stay those of the model."""

@@ -88,24 +88,35 @@ class ActorRank:
         return getattr(self.actor, method)(*args)
 
     def export(self, folder: str, final: bool) -> None:
-        """Sharded state into folder/dcp, and the HF export a layer at a time into folder/model (rank 0 writes)."""
-        from safetensors.torch import save_file
-
+        """Sharded state into folder/dcp, and the HF export a layer at a time into folder/model (rank 0 writes); with
+        LoRA, the adapters' shards (and moments) into folder/dcp and the adapter in PEFT's format into folder/model."""
         folder = Path(folder)
         self.actor.save_sharded(folder / "dcp", final)
-        model, files = folder / "model", {}
-        groups = list(self.actor.layers(None))
-        for k, layer in enumerate(groups):
-            if self.rank == 0:
-                name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-                model.mkdir(parents=True, exist_ok=True)
-                save_file({n: t.contiguous().cpu() for n, t in layer.items()}, str(model / name), metadata={"format": "pt"})
-                files.update(dict.fromkeys(layer, name))
-        if self.rank == 0:
-            (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
-            cfg = self.actor.policy.config.to_hf()
-            cfg["torch_dtype"] = "float32"
-            (model / "config.json").write_text(json.dumps(cfg, indent=2))
+        if self.actor.lora:
+            self.actor.write_model(folder, final)
+            return
+        write_layers(self.actor.layers(None), folder / "model", self.actor.policy.config, self.rank == 0)
+
+
+def write_layers(groups, model: Path, config, write: bool, tokenizer=None) -> None:
+    """An HF folder (fp32) from {name: full tensor} groups, one safetensors file a group, as every rank iterates them
+    (each is a gather); write: this rank writes (rank 0)."""
+    from safetensors.torch import save_file
+
+    groups, files = list(groups), {}
+    for k, layer in enumerate(groups):
+        if write:
+            name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            model.mkdir(parents=True, exist_ok=True)
+            save_file({n: t.contiguous().cpu() for n, t in layer.items()}, str(model / name), metadata={"format": "pt"})
+            files.update(dict.fromkeys(layer, name))
+    if write:
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
+        cfg = config.to_hf()
+        cfg["torch_dtype"] = "float32"
+        (model / "config.json").write_text(json.dumps(cfg, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(model))
 
 
 class ActorGroup:

@@ -11,7 +11,10 @@ Invariants:
   the drafter see plain weights, so their exactness arguments hold unchanged; the policy's W is never written
   (merging touches the engine copy only), so "unmerging" is exact by construction.
 - The KL reference is the policy with its adapters switched off (`BaseReference`): the base itself, no second
-  copy of the weights."""
+  copy of the weights.
+- Over N FSDP2 ranks (`trainer.world_size > 1`, fsdp.apply_fsdp_lora) the adapters are DTensor shards between
+  steps: what reads them whole (`delta`, `merged_layers`, lora_io's saving) gathers them, a collective that every
+  rank runs in the same order."""
 
 from __future__ import annotations
 
@@ -113,11 +116,19 @@ def has_adapters(model: nn.Module) -> bool:
     return bool(lora_layers(model))
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """t detached, gathered whole when it is an FSDP2 shard (a collective: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def delta(layer) -> torch.Tensor:
-    """(alpha / r) B A of a PEFT layer's active adapter, fp32."""
+    """(alpha / r) B A of a PEFT layer's active adapter, fp32 (gathered whole over FSDP2 ranks)."""
     name = layer.active_adapters[0]
-    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-    return (b.detach().float() @ a.detach().float()) * layer.scaling[name]
+    a, b = full(layer.lora_A[name].weight), full(layer.lora_B[name].weight)
+    return (b.float() @ a.float()) * layer.scaling[name]
 
 
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,6 +158,28 @@ def merge_into(model: nn.Module, engine_model: nn.Module) -> int:
             d.copy_((layer.get_base_layer().weight.float() + delta(layer)).to(d.dtype))
             moved += d.numel() * d.element_size()
     return moved
+
+
+def merged_layers(model: nn.Module, dtype: torch.dtype | None = None):
+    """Every rank of an FSDP2 LoRA policy (one process too): per group of fsdp.layer_groups (the root's tensors, then
+    one decoder layer at a time), {HF name: tensor} of the merged model, W + (alpha / r) B A on adapted layers (fp32
+    sum, one rounding to dtype) and the base's other tensors (cast to dtype): what full fine-tuning's
+    fsdp.full_layers streams, so the engine takes it the same way. Only a layer's adapters are gathered, never the
+    base (it is whole on every rank)."""
+    from .fsdp import layer_groups
+
+    layers = lora_layers(model)
+    params = dict(model.named_parameters())
+    for group in layer_groups(model):
+        out = {}
+        for n in group:
+            if ".lora_" in n:
+                continue
+            t = params[n].detach()
+            if n.endswith(".base_layer.weight"):
+                t = t.float() + delta(layers[n.removesuffix(".base_layer.weight")])
+            out[n.replace(".base_layer.", ".")] = t if dtype is None else t.to(dtype)
+        yield out
 
 
 @contextlib.contextmanager
@@ -182,4 +215,5 @@ class BaseReference:
             return self.policy.forward_shared(*args, **kwargs)
 
     def reshard(self) -> None:
-        pass
+        if hasattr(self.policy, "reshard"):  # FSDP2 ranks: the adapters' shards back in place (ranks.reshard)
+            self.policy.reshard()

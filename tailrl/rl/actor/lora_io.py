@@ -29,9 +29,18 @@ def is_adapter(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors under PEFT's saved names (adapter name dropped, `base_model.model.` prefixed)."""
-    return {PREFIX + n.replace(".default.", "."): p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+def adapter_state(model: nn.Module, gather: bool = False) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under PEFT's saved names (adapter name dropped, `base_model.model.` prefixed). gather:
+    FSDP2 shards gathered whole (a collective: every rank calls it)."""
+    from .lora import full
+
+    return {PREFIX + n.replace(".default.", "."): full(p) if gather else p.detach()
+            for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def param_name(key: str) -> str:
+    """The model's parameter name of a PEFT-named adapter tensor (`adapter_state`'s names back)."""
+    return key.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
 
 
 def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor], where: str = "the adapter") -> None:
@@ -44,8 +53,7 @@ def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor], where: str
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, t in sd.items():
-            n = k.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
-            p = params[n]
+            p = params[param_name(k)]
             if p.shape != t.shape:
                 raise ValueError(f"{where}: tensor {k} has shape {tuple(t.shape)}, the model's is {tuple(p.shape)} "
                                  "(an adapter for another base model, or another rank?)")
@@ -57,13 +65,16 @@ def _arch(model: nn.Module) -> dict:
     return {k: hf.get(k) for k in ARCH}
 
 
-def save_adapter(model: nn.Module, folder: Path, lora: LoraCfg, base_path: str) -> None:
-    """adapter_config.json + adapter_model.safetensors (fp32) into folder."""
+def save_adapter(model: nn.Module, folder: Path, lora: LoraCfg, base_path: str,
+                 state: dict[str, torch.Tensor] | None = None) -> None:
+    """adapter_config.json + adapter_model.safetensors (fp32) into folder. state: the adapter's whole tensors
+    (adapter_state(model, gather=True), which FSDP2 ranks gather together before rank 0 writes); default the
+    model's own."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     peft_config(lora, base_path).save_pretrained(str(folder))
-    sd = {k: v.float().contiguous().cpu() for k, v in adapter_state(model).items()}
+    sd = {k: v.float().contiguous().cpu() for k, v in (state if state is not None else adapter_state(model)).items()}
     save_file(sd, str(folder / WEIGHTS), metadata={"format": "pt", "tailrl_base_arch": json.dumps(_arch(model))})
 
 

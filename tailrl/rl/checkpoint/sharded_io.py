@@ -8,7 +8,8 @@ Invariants:
   file fails to load instead of running code; and only tensors are saved (the optimizer's hyper-parameters are
   the config's, restored on resume), so DCP's pickled "bytes" entries never occur (`SafePlanner` refuses them).
 - The state saved is {"model": parameters by HF name, "optim": {"state": AdamW moments by parameter name}}:
-  names, not positions, so FSDP's and the one-process optimizer read the same files."""
+  names, not positions, so FSDP's and the one-process optimizer read the same files. Only trained parameters are
+  saved: a LoRA run's dcp/ holds its adapters (module names, `...q_proj.lora_A.default.weight`) and their moments."""
 
 from __future__ import annotations
 
@@ -72,12 +73,20 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def _options():
+    """The trained tensors only: a LoRA policy's frozen base is not in its checkpoint (full fine-tuning has no frozen
+    parameter, so this changes nothing there)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
+
+
 def _states(model, optimizer, with_optimizer: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    out = {"model": get_model_state_dict(model)}
+    out = {"model": get_model_state_dict(model, options=_options())}
     if with_optimizer:
-        out["optim"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+        out["optim"] = {"state": get_optimizer_state_dict(model, optimizer, options=_options())["state"]}
     return out
 
 
@@ -103,8 +112,9 @@ def load_sharded(folder: Path, model, optimizer) -> bool:
     dcp.load(sd, storage_reader=_reader(folder), planner=_planner(), no_dist=_no_dist())
     osd = None
     if with_opt:
-        osd = {"state": sd["optim"]["state"], "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]}
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=osd or {})
+        osd = {"state": sd["optim"]["state"],
+               "param_groups": get_optimizer_state_dict(model, optimizer, options=_options())["param_groups"]}
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=osd or {}, options=_options())
     return with_opt
 
 

@@ -243,6 +243,10 @@ def check_checkpoint(got, shapes: dict, optimizer, drafter_trainer=None, head=No
     from .sharded_io import check_sharded
 
     live = dict(shapes)
+    if got.sharded is not None:  # dcp/ names a LoRA adapter's tensors as the module does, not as PEFT saves them
+        from ..actor.lora_io import PREFIX, param_name
+
+        live = {param_name(n) if n.startswith(PREFIX) else n: s for n, s in live.items()}
     if tied and got.sharded is None:
         live.pop("lm_head.weight", None)  # saved once, as the embedding
     step = int(got.path.name.removeprefix("step_"))
