@@ -73,18 +73,26 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def _options():
+def _frozen(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def _options(model=None):
     """The trained tensors only: a LoRA policy's frozen base is not in its checkpoint (full fine-tuning has no frozen
-    parameter, so this changes nothing there)."""
+    parameter, so this changes nothing there). Loading a model with a frozen part: not strict, since the base is not
+    in the state to load (every trained tensor is: DCP's planner fails on one the checkpoint lacks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=True)
+    return StateDictOptions(ignore_frozen_params=True, strict=model is None or not _frozen(model))
 
 
 def _states(model, optimizer, with_optimizer: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out = {"model": get_model_state_dict(model, options=_options())}
+    if _frozen(model):  # a frozen tied LM head under its second name stays in: drop it too
+        trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        out["model"] = {k: v for k, v in out["model"].items() if k in trained}
     if with_optimizer:
         out["optim"] = {"state": get_optimizer_state_dict(model, optimizer, options=_options())["state"]}
     return out
@@ -114,7 +122,8 @@ def load_sharded(folder: Path, model, optimizer) -> bool:
     if with_opt:
         osd = {"state": sd["optim"]["state"],
                "param_groups": get_optimizer_state_dict(model, optimizer, options=_options())["param_groups"]}
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=osd or {}, options=_options())
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=osd or {},
+                   options=_options(model))
     return with_opt
 
 
