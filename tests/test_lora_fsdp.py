@@ -169,3 +169,76 @@ def test_two_ranks_over_a_bf16_base_with_the_kl_reference(setup, tmp_path):
     assert b[-1]["actor/kl"] > 0 and b[-1]["actor/kl"] == pytest.approx(a[-1]["actor/kl"], rel=1e-4)
     assert_close(adapter(one, 2), adapter(two, 2))
     assert any(float(v.abs().max()) > 1e-3 for k, v in adapter(two, 2).items() if ".lora_B." in k)
+
+
+def _grad_rank(rank: int, chat: str, folder: str) -> None:
+    """One gloo rank of `test_fsdp_gathers_the_adapters_for_the_fused_bf16_forward` (spawned, no Ray)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tailrl.model import load_model
+    from tailrl.rl.actor.fsdp import apply_fsdp_lora
+    from tailrl.rl.actor.lora import add_adapters, full, lora_layers
+    from tailrl.rl.actor.lora_config import LoraCfg
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    policy = add_adapters(load_model(chat, device="cpu", dtype=torch.bfloat16)[0], LoraCfg(rank=4, alpha=8))
+    with torch.no_grad():  # B off zero, so that A's gradients and the adapters' outputs are not zero
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.3)
+    one = copy.deepcopy(policy)  # the same model, unsharded: what one process computes
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if ".lora_" not in n}
+    apply_fsdp_lora(policy)
+    assert all("_lean_forward" in str(m.forward) for m in lora_layers(policy).values())  # the fused path reads .weight
+    ids = torch.randint(0, 24, (2, 9), generator=torch.Generator().manual_seed(1))
+    w = torch.linspace(-1, 1, 24)
+
+    def loss(model, rows):
+        return (model.forward_full(ids[rows])[0].float() * w).sum()
+
+    loss(policy, [rank]).backward()  # each rank its own row; FSDP2 sums the adapters' gradients into shards
+    for r in (0, 1):  # one process: the two rows one after the other, gradients accumulated
+        loss(one, [r]).backward()
+    grads = {n: full(p.grad) for n, p in policy.named_parameters() if p.requires_grad}
+    frozen_grads = [n for n, p in policy.named_parameters() if not p.requires_grad and p.grad is not None]
+    local = sum(p.to_local().numel() for p in policy.parameters() if p.requires_grad)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    opt.step()
+    moved = {n: full(p) for n, p in policy.named_parameters() if p.requires_grad}
+    if rank == 0:
+        torch.save({"grads": grads, "want": {n: p.grad for n, p in one.named_parameters() if p.requires_grad},
+                    "frozen_grads": frozen_grads, "local": local, "start": {n: p.detach() for n, p in one.named_parameters()},
+                    "moved": moved,
+                    "base_same": all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if ".lora_" not in n)},
+                   f"{folder}/out.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp_gathers_the_adapters_for_the_fused_bf16_forward(setup, tmp_path):
+    """Over a bf16 base the fused `_lean_forward` reads the adapters' weights directly (not through their modules'
+    forward): the decoder layer's FSDP2 hooks must gather them before it and again for the backward. Two ranks, a row
+    each, give the adapters' gradients one process gets from both rows, to 1e-6 of their size (the same bf16 products
+    row by row, two fp32 gradients summed; measured equal), none to the base; after AdamW the base is as it was."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_grad_rank, args=(r, setup[0], str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["grads"].keys() == got["want"].keys() and len(got["grads"]) == 42
+    for n, g in got["grads"].items():
+        want = got["want"][n]
+        assert want.abs().max() > 0, n
+        torch.testing.assert_close(g, want, atol=1e-6 * float(want.abs().max()), rtol=0), n
+    assert got["frozen_grads"] == []
+    assert 0.45 <= got["local"] / sum(g.numel() for g in got["grads"].values()) <= 0.55  # half the adapters here
+    assert all(not torch.equal(t, got["start"][n]) for n, t in got["moved"].items())  # every adapter moved
+    assert got["base_same"]
