@@ -14,6 +14,11 @@ the parameter counts, plus a margin for activations) fits in MemAvailable less `
 says what it would need. The machine is shared: nothing here may run it out of memory.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/lora.py [--models smollm2-135m,qwen2.5-1.5b] [--ranks 8,64]
+
+`--worlds 1,2` instead: LoRA at `trainer.world_size` 1 and 2 (FSDP2 ranks, gloo; fsdp.apply_fsdp_lora), one process
+a rank, each timing the same `policy_update` (the ranks split the batch's groups) and reporting its own peak RSS:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lora.py --models smollm2-135m --ranks 16 --worlds 1,2
 """
 
 from __future__ import annotations
@@ -144,6 +149,79 @@ def run_one(name: str, rank: int, prompts: int, n: int, resp: tuple, micro: int,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
 
 
+def run_rank(name: str, rank: int, world: int, r: int, store: str, prompts: int, n: int, resp: tuple, micro: int,
+             repeats: int) -> dict:
+    """Trainer rank r of `world` with LoRA-`rank` (world 1: the one-process actor, which also holds the engine's bf16
+    copy; world N: an FSDP2 rank, whose engine is the driver's, not in this process)."""
+    import copy
+
+    watchdog()
+
+    import torch.distributed as dist
+
+    from benchmarks.update import fake_completions
+    from tailrl.config import AlgoCfg
+    from tailrl.rl.actor.forward import make_batch
+    from tailrl.rl.actor.fsdp import apply_fsdp_lora, local_bytes
+    from tailrl.rl.actor.lora import add_adapters
+    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.rl.actor.precision import Precision, make_adamw
+    from tailrl.rl.actor.ranks import Ranks
+    from tailrl.rl.actor.update import policy_update
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=r, world_size=world)
+    torch.manual_seed(0)
+    policy = build(name, torch.bfloat16)
+    engine = copy.deepcopy(policy) if world == 1 else None  # at N ranks the engine is the driver's
+    add_adapters(policy, LoraCfg(rank=rank, alpha=2 * rank))
+    if world > 1:
+        apply_fsdp_lora(policy)
+    prec = Precision(policy, "float32")
+    prec.mode = "bfloat16"
+    opt = make_adamw([p for p in policy.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.99))
+    batch = make_batch(fake_completions(policy.config.vocab_size, prompts, n, plen=(50, 70), rlen=resp), pad=0)
+    algo = AlgoCfg(mini_batch_size=len(batch), micro_batch_size=micro)
+    adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(1 + repeats):
+        if world > 1:
+            dist.barrier()
+        t = time.perf_counter()
+        policy_update(prec, opt, None, batch, adv, algo, 1.0, random.Random(0), {}, Ranks(r, world))
+        times.append(time.perf_counter() - t)
+    mem = local_bytes(policy, opt)
+    del engine
+    if world > 1:
+        dist.destroy_process_group()
+    return {"update_s": sum(times[1:]) / repeats, "tokens": batch.tokens, "seqs": len(batch),
+            "params_gb": mem["params"] / GB, "optimizer_mb": mem["optimizer"] / 2**20,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
+
+
+def worlds(name: str, rank: int, sizes: list[int], repeats: int, shape: tuple) -> None:
+    """LoRA-rank at each world size: one process a rank (started together), each reporting its own numbers."""
+    import tempfile
+
+    p, n, lo, hi, micro = shape
+    print(f"torch {torch.__version__}; {name} LoRA {rank}; {p} prompts x {n} samples; update = policy_update, one "
+          "AdamW step, mean of the repeats after a warm-up; each rank a process")
+    print(f"{'world':>5} {'rank':>4} {'update s':>9} {'peak RSS GB':>12} {'params GB':>10} {'AdamW MB':>9}")
+    for world in sizes:
+        store = tempfile.mktemp(prefix="lora_world_")
+        procs = [subprocess.Popen([sys.executable, __file__, "--rank-of", f"{name}:{rank}:{world}:{r}:{store}:{p}:{n}:"
+                                   f"{lo}:{hi}:{micro}", "--repeats", str(repeats)], stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        for r, proc in enumerate(procs):
+            out, _ = proc.communicate()
+            if proc.returncode != 0:
+                print(f"{world:>5} {r:>4} failed ({proc.returncode})")
+                continue
+            x = json.loads(out.strip().splitlines()[-1])
+            print(f"{world:>5} {r:>4} {x['update_s']:>9.2f} {x['peak_rss_gb']:>12.2f} {x['params_gb']:>10.3f} "
+                  f"{x['optimizer_mb']:>9.1f}   ({x['seqs']} seqs, {x['tokens']} tokens)", flush=True)
+
+
 def pair(name: str, rank: int, repeats: int) -> None:
     """Update time only, full and LoRA in one process, alternating (the same load on both); one prompt x 8 samples."""
     import copy
@@ -186,15 +264,26 @@ def main() -> None:
     ap.add_argument("--no-full", action="store_true", help="the LoRA ranks only")
     ap.add_argument("--pair", type=int, default=0, help="rank R: time full and LoRA-R alternately in one process")
     ap.add_argument("--reserve-gb", type=float, default=3.0, help="memory left to the machine's other users")
+    ap.add_argument("--worlds", default="", help="LoRA at these trainer world sizes (FSDP2 ranks), e.g. 1,2")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # name:rank:prompts:n:rlo:rhi:micro (child)
+    ap.add_argument("--rank-of", default="", help=argparse.SUPPRESS)  # name:rank:world:r:store:p:n:lo:hi:micro (child)
     args = ap.parse_args()
+    shapes = {"smollm2-135m": (2, 8, 30, 100, 8), "qwen2.5-1.5b": (1, 2, 30, 60, 2)}  # prompts, n, resp lo-hi, micro
+    if args.rank_of:
+        name, rank, world, r, store, p, n, lo, hi, micro = args.rank_of.split(":")
+        print(json.dumps(run_rank(name, int(rank), int(world), int(r), store, int(p), int(n), (int(lo), int(hi)),
+                                  int(micro), args.repeats)))
+        return
+    if args.worlds:
+        name = args.models.split(",")[0]
+        return worlds(name, int(args.ranks.split(",")[0]), [int(w) for w in args.worlds.split(",")], args.repeats,
+                      shapes.get(name, (2, 4, 30, 120, 4)))
     if args.pair:
         return pair(args.models.split(",")[0], args.pair, args.repeats)
     if args.one:
         name, rank, p, n, lo, hi, micro = args.one.split(":")
         print(json.dumps(run_one(name, int(rank), int(p), int(n), (int(lo), int(hi)), int(micro), args.repeats)))
         return
-    shapes = {"smollm2-135m": (2, 8, 30, 100, 8), "qwen2.5-1.5b": (1, 2, 30, 60, 2)}  # prompts, n, resp lo-hi, micro
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; update = policy_update over one batch, "
           "one AdamW step; peak RSS of the variant's own process")
     print(f"{'model':<14} {'variant':<8} {'trainable':>11} {'batch':>12} {'update s':>9} {'vs full':>8} "
