@@ -2,8 +2,9 @@
 reference, the update (update.py), the checkpointed state and the weights export.
 
 At `trainer.world_size=1` it is the one-process trainer of before (no process group, no Ray). At N it runs once
-in each of N ranks (group.py starts them), its modules sharded with FSDP2 (fsdp.py) and the update data-
-parallel (ranks.py); the step loop talks to `ActorGroup`, which has this class's methods, and never knows.
+in each of N ranks (group.py starts them), its modules sharded with FSDP2 (fsdp.py; with LoRA the adapters only,
+the frozen base whole on every rank: fsdp.apply_fsdp_lora) and the update data-parallel (ranks.py); the step loop
+talks to `ActorGroup`, which has this class's methods, and never knows.
 
 Invariants: the optimizer, its state and checkpoints only ever see the fp32 master; after `update` every rank
 holds its shards of the same weights (one rank's NaN skips the step on all: ranks.py)."""

@@ -3,7 +3,8 @@ format, rl/actor/lora_io.py), the trainer state (optimizer,
 RNG, step, data position, history index, drafter trainer: trainer_state.json + trainer_state.safetensors, see
 state_io.py), the config and the learned drafter head. A run of N trainer ranks also writes `dcp/`: the ranks'
 shards of the fp32 weights and AdamW's moments (sharded_io.py), which any world size resumes from; its `model/`
-is the HF export, written a layer at a time.
+is the HF export, written a layer at a time (a LoRA run's: dcp/ holds the adapters and their moments, model/ the
+adapter in PEFT's format, written by rank 0).
 
 Invariants:
 - A checkpoint exists whole or not at all: it is written to `.tmp_step_N` and renamed; `latest` is replaced
