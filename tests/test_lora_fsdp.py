@@ -1,7 +1,7 @@
 """LoRA at `trainer.world_size=2` (issue 66): two gloo ranks (Ray actors, one thread each) shard the adapters with
 FSDP2 (fsdp.apply_fsdp_lora; the frozen base whole on every rank) and reach the one-process LoRA run's adapters,
 hold about half of the adapters' AdamW moments each, stream the merged weights to the engine, write the adapter in
-PEFT's format (rank 0) with the adapters' shards and moments in dcp/, and resume from it exactly at 2 ranks and at 1."""
+PEFT's format (rank 0) with the adapters' shards and moments in dcp/, and resume from it exactly at 2 ranks and at 1; a one-process LoRA checkpoint resumes at 2 ranks."""
 
 import json
 import shutil
@@ -242,3 +242,17 @@ def test_fsdp_gathers_the_adapters_for_the_fused_bf16_forward(setup, tmp_path):
     assert 0.45 <= got["local"] / sum(g.numel() for g in got["grads"].values()) <= 0.55  # half the adapters here
     assert all(not torch.equal(t, got["start"][n]) for n, t in got["moved"].items())  # every adapter moved
     assert got["base_same"]
+
+
+def test_a_one_process_lora_checkpoint_resumes_at_two_ranks(runs, setup, tmp_path):
+    """The adapter (PEFT's names) and AdamW's state (by position) of a world_size=1 checkpoint, sharded over 2 ranks:
+    the next step is the one-process run's (to ATOL)."""
+    one, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(one, run)
+    shutil.rmtree(run / "checkpoints" / "step_000003")
+    (run / "checkpoints" / "latest").write_text("step_000002")
+    train(cfg(setup, run, "model.dtype=float32", "trainer.world_size=2", "trainer.resume=true"))
+    assert_close(adapter(run, 3), adapter(one, 3))
+    assert [r["reward/mean"] for r in rows(run)] == [r["reward/mean"] for r in rows(one)]
+    assert rows(run)[-1]["actor/grad_norm"] == pytest.approx(rows(one)[-1]["actor/grad_norm"], rel=1e-6)

@@ -184,6 +184,10 @@ class Actor:
 
     def load(self, model_sd: dict, optimizer_sd: dict | None) -> None:
         """A one-process checkpoint's weights (HF names, tied head saved once) and optimizer state."""
+        if self.lora and self.ranks.world > 1:  # the whole adapter and moments, cut into this rank's shards
+            self._load_lora_shards(model_sd, optimizer_sd)
+            self.apply_settings()
+            return
         if self.lora:
             from .lora_io import load_adapter_state
 
@@ -197,6 +201,36 @@ class Actor:
         if optimizer_sd is not None:
             self.optimizer.load_state_dict(optimizer_sd)
         self.apply_settings()
+
+    def _load_lora_shards(self, model_sd: dict, optimizer_sd: dict | None) -> None:
+        """Every rank: a one-process LoRA checkpoint (the adapter under PEFT's names, AdamW's state by parameter
+        position, as the one process's optimizer holds the same parameters in the same order) into this rank's
+        shards of the adapters and of their moments (each rank cuts its own shard from the whole tensor)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from .lora_io import param_name
+
+        def shard(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            t = t.to(like.dtype)
+            return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None) if isinstance(
+                like, DTensor) else t
+
+        live = {n: p for n, p in self.policy.named_parameters() if p.requires_grad}
+        model = {param_name(k): t for k, t in model_sd.items()}
+        missing, extra = sorted(live.keys() - model.keys()), sorted(model.keys() - live.keys())
+        bad = [n for n in live.keys() & model.keys() if tuple(model[n].shape) != tuple(live[n].shape)]
+        if missing or extra or bad:
+            raise ValueError(f"the checkpoint's adapter does not fit this model's adapters: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}, other shapes {bad[:3]}")
+        with torch.no_grad():
+            for n, p in live.items():
+                s = shard(model[n], p)
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(s.to_local() if isinstance(s, DTensor) else s)
+        if optimizer_sd is not None:
+            params = list(live.values())
+            state = {int(i): {k: shard(v, params[int(i)]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                              for k, v in st.items()} for i, st in optimizer_sd["state"].items()}
+            self.optimizer.load_state_dict({"state": state, "param_groups": optimizer_sd["param_groups"]})
 
     def apply_settings(self) -> None:
         """Settings given now win over a checkpoint's (and its kernel choice)."""

@@ -247,6 +247,10 @@ class ActorGroup:
         return self._all("call", "load_sharded", str(folder))[0]
 
     def load(self, model_sd: dict, optimizer_sd: dict | None) -> None:
+        if self.cfg.actor.lora.rank:  # a LoRA run's adapter and moments are small: every rank takes them whole
+            self.what = "the resume"
+            self._all("call", "load", model_sd, optimizer_sd)
+            return
         raise ValueError("this checkpoint was written by a one-process trainer (trainer.world_size=1): resume it at "
                          "world_size=1; checkpoints written at world_size > 1 resume at any world size")
 

@@ -228,7 +228,8 @@ def check_state(state, step: int, optimizer, drafter_trainer=None) -> None:
     _count(_need(loader, "epoch", "loader"), "loader.epoch")
     _count(_need(loader, "index", "loader"), "loader.index")
     _check_rng(state)
-    if state["optimizer"] is not None:  # None: saved without it (trainer.save_optimizer_final=false)
+    # None: saved without it (trainer.save_optimizer_final=false); no live optimizer: N ranks load it (they check it)
+    if state["optimizer"] is not None and optimizer is not None:
         check_optimizer(state["optimizer"], optimizer, "optimizer")
     _check_history(state["history"])
     _check_drafter(state["drafter"], drafter_trainer)
