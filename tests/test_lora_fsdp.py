@@ -1,7 +1,8 @@
 """LoRA at `trainer.world_size=2` (issue 66): two gloo ranks (Ray actors, one thread each) shard the adapters with
 FSDP2 (fsdp.apply_fsdp_lora; the frozen base whole on every rank) and reach the one-process LoRA run's adapters,
 hold about half of the adapters' AdamW moments each, stream the merged weights to the engine, write the adapter in
-PEFT's format (rank 0) with the adapters' shards and moments in dcp/, and resume from it exactly at 2 ranks and at 1; a one-process LoRA checkpoint resumes at 2 ranks."""
+PEFT's format (rank 0) with the adapters' shards and moments in dcp/, and resume from it exactly at 2 ranks and at 1;
+a one-process LoRA checkpoint resumes at 2 ranks."""
 
 import json
 import shutil
