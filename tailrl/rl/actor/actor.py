@@ -109,10 +109,11 @@ class Actor:
             return self.engine_model.state_dict()
         return self.policy.state_dict()
 
-    def layers(self, dtype: torch.dtype | None = None):
-        """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own."""
+    def layers(self, dtype: torch.dtype | None = None, adapted_only: bool = False):
+        """Every rank: the full tensors a layer at a time (fsdp.full_layers); one rank: the policy's own. adapted_only
+        (LoRA at N ranks): the merged adapted layers alone (lora.merged_layers)."""
         if self.lora and self.ranks.world > 1:  # every rank gathers a layer's adapters; rank 0 streams (group.py)
-            yield from merged_layers(self.policy, dtype)
+            yield from merged_layers(self.policy, dtype, adapted_only)
             return
         if self.lora:
             merge_into(self.policy, self.engine_model)

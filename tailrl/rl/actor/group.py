@@ -78,9 +78,9 @@ class ActorRank:
         metrics["actor/param_bytes_per_rank"], metrics["actor/optimizer_bytes_per_rank"] = mem["params"], mem["optimizer"]
         return metrics, reason, timing
 
-    def stream(self, dtype: str | None):
+    def stream(self, dtype: str | None, adapted_only: bool = False):
         """Rank 0 yields {name: full tensor} a layer at a time; the other ranks take part in each gather."""
-        for layer in self.actor.layers(getattr(torch, dtype) if dtype else None):
+        for layer in self.actor.layers(getattr(torch, dtype) if dtype else None, adapted_only):
             if self.rank == 0:
                 yield layer
 
@@ -199,12 +199,12 @@ class ActorGroup:
         timing.update(rank_timing)
         return metrics, reason
 
-    def layers(self, dtype: torch.dtype | None):
+    def layers(self, dtype: torch.dtype | None, adapted_only: bool = False):
         """{name: full tensor} a layer at a time, as rank 0 gathers them (the other ranks gather with it)."""
         self.what = "the weight sync"
         name = str(dtype).removeprefix("torch.") if dtype is not None else None
-        gen = self.ranks[0].stream.options(num_returns="streaming").remote(name)
-        others = [r.stream.options(num_returns="streaming").remote(name) for r in self.ranks[1:]]
+        gen = self.ranks[0].stream.options(num_returns="streaming").remote(name, adapted_only)
+        others = [r.stream.options(num_returns="streaming").remote(name, adapted_only) for r in self.ranks[1:]]
         while True:
             ready, _ = self.ray.wait([gen], timeout=self.timeout + 10)
             if not ready:
@@ -224,9 +224,11 @@ class ActorGroup:
         return {n: t for layer in self.layers(None) for n, t in layer.items()}
 
     def sync_to(self, rollout) -> int:
-        """Streams the new weights into the rollout's engine (its dtype); returns the bytes moved."""
-        dtype = rollout.dtype
-        return rollout.load_weights((n, t) for layer in self.layers(dtype) for n, t in layer.items())
+        """Streams the new weights into the rollout's engine (its dtype); returns the bytes moved. LoRA into our
+        engine (which loaded the base itself): the merged adapted layers alone, as at one rank (lora.merge_into);
+        into vLLM every tensor."""
+        dtype, adapted_only = rollout.dtype, bool(self.cfg.actor.lora.rank) and not rollout.streams_policy
+        return rollout.load_weights((n, t) for layer in self.layers(dtype, adapted_only) for n, t in layer.items())
 
     def shapes(self) -> dict:
         return self._shapes

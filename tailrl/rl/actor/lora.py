@@ -160,12 +160,13 @@ def merge_into(model: nn.Module, engine_model: nn.Module) -> int:
     return moved
 
 
-def merged_layers(model: nn.Module, dtype: torch.dtype | None = None):
+def merged_layers(model: nn.Module, dtype: torch.dtype | None = None, adapted_only: bool = False):
     """Every rank of an FSDP2 LoRA policy (one process too): per group of fsdp.layer_groups (the root's tensors, then
     one decoder layer at a time), {HF name: tensor} of the merged model, W + (alpha / r) B A on adapted layers (fp32
     sum, one rounding to dtype) and the base's other tensors (cast to dtype): what full fine-tuning's
     fsdp.full_layers streams, so the engine takes it the same way. Only a layer's adapters are gathered, never the
-    base (it is whole on every rank)."""
+    base (it is whole on every rank). adapted_only: the adapted layers' weights alone (the rest is the base, which an
+    engine that loaded the base holds already), a group without one left out."""
     from .fsdp import layer_groups
 
     layers = lora_layers(model)
@@ -178,8 +179,11 @@ def merged_layers(model: nn.Module, dtype: torch.dtype | None = None):
             t = params[n].detach()
             if n.endswith(".base_layer.weight"):
                 t = t.float() + delta(layers[n.removesuffix(".base_layer.weight")])
+            elif adapted_only:
+                continue
             out[n.replace(".base_layer.", ".")] = t if dtype is None else t.to(dtype)
-        yield out
+        if out:
+            yield out
 
 
 @contextlib.contextmanager
