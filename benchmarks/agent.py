@@ -76,8 +76,10 @@ def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns,
         loop.run(eng, prompts, msgs, earlier, lock_step=lock_step)
         eng.end_rollout()
     t = time.perf_counter()
-    comps, _, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+    comps, records, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
     wall = time.perf_counter() - t
+    for kind in ("prefill", "decode"):  # the engine's seconds by pass kind; the rest of the wall waited on tools
+        m[f"{kind}_s"] = sum(r.total_s for r in records if r.kind == kind)
     eng.end_rollout()
     loop.close()
     return comps, wall, m
@@ -115,12 +117,15 @@ def main() -> None:
             runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, a.task, llm)
     base = runs["overlapped, SD off"][0]
     print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
-    print("| rollout | wall s | tool calls / traj | turns / traj | kept K/V tokens / traj | same trajectories |")
-    print("|---|---|---|---|---|---|")
+    print("| rollout | wall s | prefill s | decode s | waiting on tools s | tool calls / traj | turns / traj | "
+          "kept K/V tokens / traj | same trajectories |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (comps, wall, m) in runs.items():
         same = all(x.token_ids == y.token_ids for x, y in zip(comps, base))
-        print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | "
-              f"{m.get('agent/kv_kept_tokens', 0.0):.0f} | {same} |")
+        pre, dec = m.get("prefill_s", 0.0), m.get("decode_s", 0.0)
+        print(f"| {name} | {wall:.2f} | {pre:.2f} | {dec:.2f} | {max(wall - pre - dec, 0):.2f} | "
+              f"{m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {m.get('agent/kv_kept_tokens', 0.0):.0f} | "
+              f"{same} |")
     lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
     st = runs["overlapped, SD auto"][0].stats
     toks = sum(sum(c.response_mask) for c in base)
