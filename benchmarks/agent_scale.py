@@ -19,17 +19,18 @@ import time
 
 import torch
 
-from tailrl.rl.agent.calculator import calculator
+from tailrl.rl.agent.calculator import calculator as _calculate
 
 
-def slow_calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression after a delay (a benchmark's stand-in for a slow tool).
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression after a delay (a benchmark's stand-in for a slow tool). Named as the built-in
+    is, so the tags format calls it with the <calc> tag the prompts show.
 
     Args:
         expression: An arithmetic expression, e.g. "347*29".
     """
     time.sleep(float(os.environ.get("TAILRL_BENCH_TOOL_S", "0.5")))
-    return calculator(expression)
+    return _calculate(expression)
 
 
 def setup(a):
@@ -41,7 +42,7 @@ def setup(a):
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, here)
-    cfg = AgentConfig(tools=["agent_scale:slow_calculator"], max_turns=a.max_turns, max_parallel_calls=64)
+    cfg = AgentConfig(tools=["agent_scale:calculator"], max_turns=a.max_turns, max_parallel_calls=64)
     rows = make_rows(a.task, a.prompts, seed=7)
     msgs = [r["prompt"] for r in rows]
     params = [SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=0.7, seed=100 + i) for i in range(len(rows))]
