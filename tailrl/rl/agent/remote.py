@@ -54,6 +54,9 @@ def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, 
     total = max(sum(weights), 1)
     metrics = {k: (v / total if _is_mean(k) else v) for k, v in metrics.items()}
     out = Completions(c for i in range(len(prompts)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
+    masks = [c.response_mask for c in out if c.response_mask is not None]
+    if masks:  # a share of tokens, not of trajectories: counted over every worker's tokens at once
+        metrics["agent/masked_share"] = sum(len(m) - sum(m) for m in masks) / max(sum(len(m) for m in masks), 1)
     merged = GenerateStats()
     for st in stats:
         merged.merge(st)
