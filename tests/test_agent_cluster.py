@@ -46,4 +46,5 @@ def test_two_workers_draw_the_trajectories_one_engine_draws(tmp_path):
     assert [c.token_ids for c in two] == [c.token_ids for c in one]
     assert [c.response_mask for c in two] == [c.response_mask for c in one]
     assert abs(m_two["agent/tool_calls"] - m_one["agent/tool_calls"]) < 1e-9
+    assert abs(m_two["agent/masked_share"] - m_one["agent/masked_share"]) < 1e-12  # a share of all tokens
     assert two.stats.generated_tokens == one.stats.generated_tokens

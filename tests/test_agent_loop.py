@@ -48,8 +48,7 @@ def test_agent_keys_are_validated_and_empty_tools_is_the_single_turn_run():
 
 
 @pytest.mark.parametrize("combo, why", [("rollout.backend=vllm rollout.vllm_spec=tailrl", "proposer"),
-                                        ("rollout.partial=true", "pending tool call"),
-                                        ("rollout.backend=vllm rollout.workers=2", "Ray actors")])
+                                        ("rollout.partial=true", "pending tool call")])
 def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["agent.tools=[calculator]", *combo.split()])
@@ -57,6 +56,8 @@ def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
     if "vllm" in combo:  # vLLM itself runs the turn loop (rl/rollout/vllm/turns.py)
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
         load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
+        load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
+                           "rollout.workers=2"])  # and vLLM's Ray actors (tests/vllm_agent_checks.py)
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------

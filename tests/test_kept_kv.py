@@ -129,3 +129,17 @@ def test_plain_passes_continue_kept_kv_within_fp32_rounding(tiny):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         assert n > 0
         torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), atol=1e-4, rtol=0)
+
+
+def test_an_imported_sequence_does_not_take_kept_kv_by_another_engines_id(tiny):
+    """`resume` names a sequence of the engine a request was made on: exported and imported elsewhere, it must not
+    claim (or free) the kept K/V that happens to sit under that id there."""
+    a, b = _engine(tiny), _engine(tiny)
+    (c,) = _drive(b, PROMPTS[:1], SamplingParams(max_tokens=40, temperature=1.0, seed=3, keep_kv=True,
+                                                  stop_token_ids=STOPS))
+    assert c.finish_reason == "stop" and list(b.scheduler.parked) == [c.seq_id]
+    (sid,) = a.add_requests([PROMPTS[1] + EXTRA], SamplingParams(max_tokens=8, seed=9, resume=c.seq_id))
+    (moved,) = b.import_(a.export([sid]))
+    while b.has_work():
+        b.step()
+    assert list(b.scheduler.parked) == [c.seq_id] and b.kept_tokens == 0

@@ -6,6 +6,8 @@ sequence needs to continue elsewhere with exactly the tokens it would have produ
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 
@@ -91,7 +93,9 @@ def export_state(s: Sequence, spec_depth: int) -> SeqState:
 
 
 def import_state(seq_id: int, st: SeqState) -> Sequence:
-    """The sequence, counting on from the exported counts; the caller hands st.spec_depth to its speculator."""
-    return Sequence(seq_id, st.prompt_index, st.sample_index, list(st.prompt_ids), st.params, st.seed, st.max_tokens,
+    """The sequence, counting on from the exported counts; the caller hands st.spec_depth to its speculator. Its
+    `resume` (a sequence id of the engine it came from, whose kept K/V stays there) is cleared: ids here are others."""
+    params = dataclasses.replace(st.params, resume=None) if st.params.resume is not None else st.params
+    return Sequence(seq_id, st.prompt_index, st.sample_index, list(st.prompt_ids), params, st.seed, st.max_tokens,
                     frozenset(st.stop_ids), SeqStats(time.perf_counter(), **st.stats), output_ids=list(st.output_ids),
                     logprobs=list(st.logprobs))

@@ -65,7 +65,4 @@ def agent_problem(cfg) -> str | None:
     if r.partial:
         return ("agent.tools with rollout.partial=true: a partial rollout would have to carry a trajectory across a "
                 "pending tool call and its turns; not built yet. Set rollout.partial=false")
-    if r.workers > 1 and r.backend == "vllm":
-        return ("agent.tools with rollout.backend=vllm and rollout.workers > 1: the turn loop drives one in-process "
-                "vLLM; its Ray actors do not run it yet (our engine's workers do). Set rollout.workers=1")
     return None

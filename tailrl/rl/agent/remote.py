@@ -1,6 +1,8 @@
 """The agent's turn loop on Ray rollout workers (rollout.workers > 1): each worker runs the trajectories of the prompts
 placed on it to their end, tools and all, so a trajectory stays on its worker across turns (its history drafts, its
-engine). The driver splits the prompts, gathers the completions in (prompt, sample) order and merges the metrics.
+kept K/V, its engine; on rollout.backend=vllm its actor's prefix cache: VllmActor.run hands the loop the actor's LLM
+behind the engine calls, rl/rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
+(prompt, sample) order and merges the metrics.
 
 On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers
 gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
@@ -52,6 +54,9 @@ def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, 
     total = max(sum(weights), 1)
     metrics = {k: (v / total if _is_mean(k) else v) for k, v in metrics.items()}
     out = Completions(c for i in range(len(prompts)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
+    masks = [c.response_mask for c in out if c.response_mask is not None]
+    if masks:  # a share of tokens, not of trajectories: counted over every worker's tokens at once
+        metrics["agent/masked_share"] = sum(len(m) - sum(m) for m in masks) / max(sum(len(m) for m in masks), 1)
     merged = GenerateStats()
     for st in stats:
         merged.merge(st)

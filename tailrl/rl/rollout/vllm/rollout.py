@@ -160,7 +160,13 @@ class VllmRollout:
                                  top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
                   for i in range(len(examples))]
         msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        comps, records, agent = self.agent.run(VllmTurns(self.llm), [ex.ids for ex in examples], msgs, params)
+        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rl/agent/remote.py)
+            from ...agent.remote import cluster_agent_rollout
+
+            comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,
+                                                 params)
+        else:
+            comps, records, agent = self.agent.run(VllmTurns(self.llm), [ex.ids for ex in examples], msgs, params)
         st = comps.stats
         st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
         st.decode_s = st.total_s

@@ -60,6 +60,10 @@ class VllmTurns:
                 ids.append(sid)
         return ids
 
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
     def has_work(self) -> bool:
         return bool(self.live)
 
