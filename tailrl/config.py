@@ -72,6 +72,9 @@ class RolloutCfg:
     max_num_seqs: int = 256  # sequences decoded at once at most
     cuda_graphs: bool = True  # decode/verify replayed from CUDA graphs per bucket where the engine runs on CUDA
     batch_invariant: bool | str = "auto"  # SD on/off draw the very same tokens in bf16 too (engine/invariant.py)
+    # prompts that begin with the same whole 16-token blocks (a system prompt, few-shot turns) share their K/V: later
+    # requests prefill only what differs. auto: where the passes are batch-invariant (the same tokens either way)
+    prefix_cache: bool | str = "auto"
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="auto"))
     workers: int = 1  # 1: the in-process engine; N > 1: N Ray rollout workers (see the cluster section)
     worker_threads: int = 1  # CPU threads per rollout worker (a worker takes one GPU where there are GPUs)
@@ -249,6 +252,7 @@ class Config:
              "0 (off), or finite and > 1 with algo.loss=ppo (the dual clip is PPO's)"),
             (a.lr_warmup_steps >= 0 and 0 <= a.lr_min_ratio <= 1, "algo.lr_warmup_steps", ">= 0 (and lr_min_ratio in [0, 1])"),
             (self.rollout.batch_invariant in (True, False, "auto"), "rollout.batch_invariant", "true, false or auto"),
+            (self.rollout.prefix_cache in (True, False, "auto"), "rollout.prefix_cache", "true, false or auto"),
             (self.rollout.vllm_spec_tokens >= 1, "rollout.vllm_spec_tokens", ">= 1"),
             (1 <= self.rollout.partial_oversample < math.inf, "rollout.partial_oversample", ">= 1 and finite"),
             (self.rollout.partial_max_staleness >= 0, "rollout.partial_max_staleness", ">= 0 (0: every carried response restarts)"),

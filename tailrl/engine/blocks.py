@@ -24,6 +24,16 @@ def blocks_for(length: int) -> int:
     return -(-length // BLOCK)
 
 
+def chain_keys(tokens: list[int], n: int) -> list[int]:
+    """Key i names tokens[: (i + 1) * BLOCK] (a hash chained over the first n full blocks): two prompts share key i
+    only if they share those tokens (up to a 64-bit hash collision)."""
+    keys, h = [], 0
+    for i in range(n):
+        h = hash((h, tuple(tokens[i * BLOCK : (i + 1) * BLOCK])))
+        keys.append(h)
+    return keys
+
+
 class BlockTables:
     def __init__(self, num_blocks: int, rows: int, width: int, device):
         """num_blocks in the pool (block 0 included), rows tables of `width` columns each."""
@@ -38,6 +48,10 @@ class BlockTables:
         self.tables = self.host if device.type == "cpu" else torch.zeros(rows, width, dtype=torch.long, device=device)
         self.dirty = False
         self.peak_used = 0
+        # the prefix index (Scheduler.prefix_cache): chain key of a prompt's first i+1 full blocks -> the block
+        # holding block i, for blocks that are live (a row or a parked entry references them); forgotten when freed
+        self.cached: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -71,10 +85,47 @@ class BlockTables:
 
     def release(self, row: int) -> None:
         for b in self.blocks[row]:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                heapq.heappush(self.free, b)
+            self._unref(b)
         self._set(row, [])
+
+    def _unref(self, b: int) -> None:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            heapq.heappush(self.free, b)
+            key = self.key_of.pop(b, None)
+            if key is not None:
+                del self.cached[key]
+
+    def remember(self, row: int, keys: list[int]) -> None:
+        """Row's first len(keys) blocks hold the prompt blocks these chain keys name (a key already known keeps its
+        block)."""
+        for key, b in zip(keys, self.blocks[row]):
+            if key not in self.cached and b not in self.key_of:
+                self.cached[key] = b
+                self.key_of[b] = key
+
+    def lookup(self, keys: list[int]) -> list[int]:
+        """The live blocks of the longest run of these chain keys from the first."""
+        out = []
+        for key in keys:
+            b = self.cached.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def share(self, row: int, blocks: list[int]) -> None:
+        """An empty row references these live blocks as its first ones (a shared prompt prefix)."""
+        if self.blocks[row]:
+            raise RuntimeError(f"share into row {row}, which holds blocks")
+        for b in blocks:
+            self.refs[b] += 1
+        self._set(row, list(blocks))
+
+    def forget(self) -> None:
+        """Empties the prefix index (the weights may change: K/V computed before is not shared after)."""
+        self.cached.clear()
+        self.key_of.clear()
 
     def detach(self, row: int) -> list[int]:
         """Takes row's blocks out of its table, references and all (the scheduler parks them; `attach` or `drop`)."""
@@ -91,9 +142,7 @@ class BlockTables:
     def drop(self, blocks: list[int]) -> None:
         """Gives back parked blocks."""
         for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                heapq.heappush(self.free, b)
+            self._unref(b)
 
     def fork(self, src: int, dst: int, length: int) -> tuple[int, int] | None:
         """dst (an empty row) shares src's full blocks of positions < length and gets a block of its own for the

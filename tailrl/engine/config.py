@@ -20,6 +20,9 @@ class EngineConfig:
     cuda_graph_mem_gb: float = 4.0  # device memory the graphs may take; buckets captured past it run eagerly
     pad_to_buckets: bool = False  # pad decode/verify passes to buckets without graphs too (eager; for tests)
     batch_invariant: bool | str = "auto"  # logits independent of the pass's shape (engine/invariant.py); auto: CPU bf16
+    # requests whose prompts begin with the same whole blocks share them: a prompt's later requests (and other prompts
+    # with its few-shot prefix) prefill only what differs (engine/scheduler.py). Off: every group prefills its prompt
+    prefix_cache: bool | str = False  # auto: where the passes are batch-invariant (the same tokens either way)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="off"))
 
     def __post_init__(self):
@@ -33,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if not self.cuda_graph_mem_gb >= 0:
             raise ValueError(f"cuda_graph_mem_gb={self.cuda_graph_mem_gb} must be >= 0")
+        if self.prefix_cache not in (True, False, "auto"):
+            raise ValueError(f"prefix_cache={self.prefix_cache!r}: use true, false or auto")
         if self.batch_invariant not in (True, False, "auto"):
             raise ValueError(f"batch_invariant={self.batch_invariant!r}: use true, false or auto")
         if not 0 <= self.kv_watermark < 1:

@@ -60,7 +60,8 @@ class Engine:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=QUERY_BLOCK if self.runner.invariant else 0, key_chunk=CHUNK,
                                   classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0)
-        self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark)
+        self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark,
+                                   cfg.prefix_cache if cfg.prefix_cache != "auto" else self.runner.invariant)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
             [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [])
         self.rng = torch.Generator().manual_seed(cfg.seed)
@@ -182,6 +183,11 @@ class Engine:
         """Positions that resumed requests did not prefill because their K/V was kept (since the engine began)."""
         return self.scheduler.resumed_tokens
 
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt positions that requests took from other requests' live blocks (EngineConfig.prefix_cache)."""
+        return self.scheduler.shared_tokens
+
     def drop_kept(self, ids: list[int]) -> None:
         """Frees the K/V that finished sequences with keep_kv parked (no request will resume them); unknown ids
         and ids whose K/V memory took already are ignored."""
@@ -206,6 +212,7 @@ class Engine:
         """One rollout (an RL step) ended: the history drafter keeps this epoch's responses; stats.stale gets
         the acceptance watchdog's verdict per drafter."""
         self.drop_kept(list(self.scheduler.parked))  # kept K/V does not outlive its rollout (weights move)
+        self.runner.kv.tables.forget()  # nor does the prefix index
         if self.speculator is not None:
             stale = self.speculator.end_rollout()
             if stats is not None:
@@ -221,6 +228,7 @@ class Engine:
         if not self.has_work():
             invalidate_packs()
             self._pause_old_gc()
+            self.runner.kv.tables.forget()  # K/V of earlier weights is not shared with new requests
 
     def _pause_old_gc(self) -> None:
         """A rollout starts: the objects that exist now (the model, the drafters' indexes of earlier epochs, the

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 
-from .blocks import BLOCK, blocks_for
+from .blocks import BLOCK, blocks_for, chain_keys
 from .runner import ModelRunner
 from .sequence import Sequence
 
@@ -42,7 +42,8 @@ def prefill_len(s: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int, watermark: float = 0.01):
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_prefill_tokens: int, watermark: float = 0.01,
+                 prefix_cache: bool = False):
         self.runner = runner
         self.kv = runner.kv
         self.max_num_seqs = min(max_num_seqs, runner.num_slots)
@@ -57,6 +58,8 @@ class Scheduler:
         self.parked: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()  # seq_id -> (tokens, blocks)
         self.resumed_tokens = 0  # positions resumed requests did not prefill (kept K/V), since the engine began
         self.evicted = 0  # parked entries freed for memory, since the engine began
+        self.prefix_cache = prefix_cache and not runner.capture  # captured hidden states need every row's pass
+        self.shared_tokens = 0  # prompt positions taken from another request's live blocks, since the engine began
 
     def add(self, group: list[Sequence]) -> None:
         self.waiting.append(group)
@@ -71,12 +74,18 @@ class Scheduler:
     def admit(self) -> list[list[Sequence]]:
         admitted: list[list[Sequence]] = []
         prefill_tokens = forks = 0  # forks: blocks the admitted groups' further samples take after the prefill
+        pending: set[int] = set()  # prefix keys of blocks this call's prefill has yet to compute
         while self.waiting:
             group = self.waiting[0]
             free_rows, plen = self.max_num_seqs - len(self.running), prefill_len(group[0])
             if free_rows < 1:
                 break
-            kept = self._claim(group)
+            kept, owned = self._claim(group), True
+            if not kept[1] and self.prefix_cache:
+                kept, owned = self._shared(group[0], plen), False
+                if pending.intersection(kept[0]):  # its prefix is in this very pass: it shares it from the next
+                    break
+                kept = ([0] * len(kept[1]) * BLOCK, kept[1])
             if admitted and prefill_tokens + plen - len(kept[0]) > self.max_prefill_tokens:
                 break
             lead = blocks_for(plen + 1) - len(kept[1])  # the prompt and the first sampled token's position
@@ -93,7 +102,7 @@ class Scheduler:
                                       f"holds {self.kv.num_blocks - 1}: raise kv_cache_gb")
                     continue
                 break
-            if kept[1]:
+            if kept[1] and owned:
                 del self.parked[group[0].params.resume]
             if k < len(group):  # the rest of the group waits; each part prefills
                 self.waiting[0] = group[k:]
@@ -106,15 +115,30 @@ class Scheduler:
                 self._admitted += 1
                 self.order[seq.seq_id] = self._admitted
             group[0].kept = 0  # a preempted resumed request held its K/V once: it prefills everything now
-            if kept[1]:
+            if kept[1] and owned:
                 self.kv.tables.attach(group[0].slot, kept[1])
                 group[0].kept = min(len(kept[0]), plen - 1)  # at least one token prefills: its logits
                 self.resumed_tokens += group[0].kept
+            elif kept[1]:  # whole blocks before its last position: nothing it writes lands in a shared block
+                self.kv.tables.share(group[0].slot, kept[1])
+                group[0].kept = len(kept[0])
+                self.shared_tokens += group[0].kept
             self.kv.ensure([group[0].slot], plen + 1)  # siblings fork it after the prefill (engine/passes.py)
+            if self.prefix_cache:  # its full prompt blocks serve later requests with the same prefix
+                keys = chain_keys(group[0].prompt_ids + group[0].output_ids[:-1], plen // BLOCK)
+                self.kv.tables.remember(group[0].slot, keys)
+                pending.update(keys)
             admitted.append(group)
             prefill_tokens += plen - group[0].kept
             forks += len(group) - 1
         return admitted
+
+    def _shared(self, s: Sequence, plen: int) -> tuple[list[int], list[int]]:
+        """(the chain keys, the live blocks) of the longest run of s's prompt blocks another request holds, among
+        its whole blocks before its last prefill position (that position is prefilled for its logits)."""
+        keys = chain_keys(s.prompt_ids + s.output_ids[:-1], (plen - 1) // BLOCK)
+        blocks = self.kv.tables.lookup(keys)
+        return keys[: len(blocks)], blocks
 
     def _claim(self, group: list[Sequence]) -> tuple[list[int], list[int]]:
         """(tokens, blocks) parked for this group's `resume` when it is one fresh sample whose prompt continues

@@ -149,7 +149,7 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     try:
         engine = Engine(model, tokenizer, EngineConfig(
             kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=seed, spec=spec, cuda_graphs=r.cuda_graphs,
-            batch_invariant=r.batch_invariant,
+            batch_invariant=r.batch_invariant, prefix_cache=r.prefix_cache,
             max_model_len=min(d.max_prompt_tokens + max_tokens, model.config.max_position_embeddings)),
             make_speculator(spec))
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary

@@ -67,7 +67,7 @@ class EngineRollout:
             self.lender = SpotLender(self.spot, self.drafter_trainer.buffer, cfg.drafter)
         self.engine = Engine(engine_model, tokenizer, EngineConfig(
             kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed, spec=r.spec,
-            cuda_graphs=r.cuda_graphs, batch_invariant=r.batch_invariant,
+            cuda_graphs=r.cuda_graphs, batch_invariant=r.batch_invariant, prefix_cache=r.prefix_cache,
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers

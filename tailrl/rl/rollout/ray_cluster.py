@@ -27,7 +27,7 @@ def make_cluster(cfg: Config, engine: EngineConfig | None = None):
     from ...cluster.workers import WorkerSpec
 
     engine = engine or EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed,
-                                    spec=r.spec, batch_invariant=r.batch_invariant)
+                                    spec=r.spec, batch_invariant=r.batch_invariant, prefix_cache=r.prefix_cache)
     device = cfg.model.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = str(resolve_dtype(cfg.model.dtype, device)).removeprefix("torch.")  # auto: as the driver's hardware
     spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=dtype, device=cfg.model.device,
