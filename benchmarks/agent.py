@@ -8,7 +8,8 @@ the overlapped loop with rollout.spec.mode auto and off on the batch-invariant e
 Earlier epochs (--epochs) draw other seeds than the timed one, as RL's next epoch does: history drafts come from
 other samples of the same prompt, turn by turn, not from copies of the timed trajectories. Every row keeps a
 trajectory's K/V across its tool calls (agent.keep_kv) but the two `re-prefill` rows, which prefill all its ids
-again each turn (the engine before keep_kv; also the same tokens, checked).
+again each turn and share no prompt prefix (the engine before keep_kv and rollout.prefix_cache; also the same
+tokens, checked); the others share the few-shot prefix the prompts begin with (rollout.prefix_cache).
 
     python benchmarks/agent.py --task lookup --prompts 8 --n 4 --max-tokens 160 --tool-s 0.5
 """
@@ -66,7 +67,7 @@ def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns,
 
         eng = VllmTurns(llm)
     else:
-        eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True,
+        eng = Engine(model, tok, EngineConfig(seed=0, kv_cache_gb=1.0, batch_invariant=True, prefix_cache=keep_kv,
                                               spec=SpecConfig(mode=spec)))
     msgs = [r["prompt"] for r in rows]
     prompts = [loop.encode_prompt(m) for m in msgs]

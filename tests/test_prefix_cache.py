@@ -41,6 +41,9 @@ def test_shared_prefix_blocks_give_the_tokens_of_whole_prefills(tiny, mode):
     # every prompt after the first shares FEW_SHOT's 2 whole blocks; the 32-token one only its first (its second
     # block holds its last position, which it prefills for its logits)
     assert on.shared_tokens == (len(PROMPTS) - 2) * 2 * BLOCK + BLOCK and off.shared_tokens == 0
+    assert got.stats.prefill_reused == on.shared_tokens and want.stats.prefill_reused == 0
+    share = got.stats.metrics()["rollout/prefill_reused_share"]
+    assert share == on.shared_tokens / sum(len(p) for p in PROMPTS)  # every prompt's positions, computed or reused
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.logprobs for c in got] == [c.logprobs for c in want]
     assert _free(on), "a block leaked, or the prefix index outlived the rollout"

@@ -9,7 +9,9 @@ copy-on-write done at the fork, since every later write lands past the prompt).
 Block 0 is the null block: never handed out, it stands in every table column a row does not hold, so a pass that
 reads a whole chunk of keys reads finite values past a sequence's end (masked, but a masked key still multiplies
 its value by 0); padded rows of a padded pass write there. Free blocks are handed out lowest id first, so the
-memory a rollout touches stays compact."""
+memory a rollout touches stays compact. The prefix index (`remember`, `lookup`, `share`) names live full prompt
+blocks by a hash chained over their tokens, so a request with the same first blocks references them instead of
+computing them again (engine/scheduler.py); a block leaves the index when it is freed."""
 
 from __future__ import annotations
 

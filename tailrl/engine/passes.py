@@ -43,7 +43,7 @@ def prefill_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, 
     if speculator is not None:
         speculator.start([s for g in groups for s in g])
     return StepRecord("prefill", batch=len(leaders), tokens_in_pass=sum(map(len, lists)), emitted=emitted,
-                      forward_s=fwd, total_s=time.perf_counter() - t)
+                      forward_s=fwd, total_s=time.perf_counter() - t, reused=sum(s.kept for s in leaders))
 
 def decode_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, running: list[Sequence]) -> StepRecord:
     """One decode pass for every running sequence; with speculation, each verifies its draft tree in the same

@@ -21,6 +21,12 @@ was freed prefills everything, as a preempted sequence does. On the batch-invari
 not depend on which happened; on the plain passes they agree to rounding only. Not with captured hidden states
 (the learned drafter needs every row's): nothing is parked then.
 
+Shared prompt prefixes (prefix_cache): at admission a group's leader takes the longest run of live full blocks whose
+chained keys match its first blocks (other prompts with the same system prompt or few-shot turns; its own prompt
+when it comes back after preemption), whole blocks before its last position only, and prefills the rest; its own full
+prompt blocks are then indexed for later requests. A group whose prefix this very admission round computes waits
+for the next (its blocks would be read before they are written). Not with captured hidden states.
+
 Running sequences occupy rows 0..B-1 of the block tables: a finished sequence's row is taken over by the last
 running one (its table moves, no K/V is copied)."""
 

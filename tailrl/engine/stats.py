@@ -38,6 +38,7 @@ class StepRecord:
     kv_bytes: int = 0  # KV blocks in use after the step
     preempted: int = 0  # sequences preempted before the step's pass (to be recomputed)
     capture_s: float = 0.0  # CUDA-graph capture in this step (one-time per bucket; not in forward_s or total_s)
+    reused: int = 0  # prefill: positions its sequences did not prefill (kept K/V, shared prompt blocks)
 
 
 @dataclass
@@ -97,6 +98,8 @@ class GenerateStats:
     generated_tokens: int = 0
     peak_kv_bytes: int = 0
     preemptions: int = 0
+    prefill_tokens: int = 0  # positions the prefill passes computed
+    prefill_reused: int = 0  # positions they did not compute: kept K/V and shared prompt blocks (scheduler.py)
     peak_running: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # decode batch size -> steps
     draft_s: float = 0.0  # proposing drafts
@@ -121,6 +124,8 @@ class GenerateStats:
         if r.kind == "prefill":
             self.prefill_steps += 1
             self.prefill_s += r.total_s
+            self.prefill_tokens += r.tokens_in_pass
+            self.prefill_reused += r.reused
             return
         if r.kind != "decode":
             return
@@ -206,6 +211,7 @@ class GenerateStats:
         """The rollout's speculation metrics for a training log (spec/...)."""
         out = {"spec/accept_length": self.mean_accept_length, "spec/speedup_est": self.speedup_est,
                "spec/tail_tokens_per_s": self.tail_tokens_per_s, "rollout/preemptions": self.preemptions,
+               "rollout/prefill_reused_share": self.prefill_reused / max(self.prefill_reused + self.prefill_tokens, 1),
                "rollout/peak_kv_gb": self.peak_kv_bytes / 2**30, "rollout/peak_running": self.peak_running}
         out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
         out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
