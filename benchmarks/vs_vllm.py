@@ -85,6 +85,7 @@ def tailrl_worker(job: dict) -> dict:
     spec = dataclasses.replace(cfg.rollout.spec, mode=job["mode"])
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=job["kv_gb"], seed=job["seed"], spec=spec,
                                           batch_invariant=cfg.rollout.batch_invariant,
+                                          prefix_cache=cfg.rollout.prefix_cache,  # as the RL rollout runs
                                           max_model_len=job["max_model_len"]))
     res = {"startup_s": time.perf_counter() - t0, "invariant": bool(eng.runner.invariant), "epochs": []}
     for reqs in job["epochs"]:
