@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import config_keys
 from .cluster.config import ClusterConfig
-from .config_help import REMOVED, choice_problem, did_you_mean, or_list
-from .config_values import ConfigError, coerce, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
+from .config_help import choice_problem, did_you_mean, or_list
+from .config_values import ConfigError, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
 from .rl.actor.lora_config import ActorCfg
@@ -272,46 +272,11 @@ class Config:
 
 
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        t = _field_type(cls, f.name)
-        if dataclasses.is_dataclass(t):
-            keys += valid_keys(t, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _field_type(cls, name: str):
-    return typing.get_type_hints(cls)[name]
-
-
-def unknown_key(full: str) -> ConfigError:
-    """One line: the key and the nearest valid ones."""
-    if full in REMOVED:
-        return ConfigError(f"key {full!r} was removed: {REMOVED[full]}")
-    near = did_you_mean(full, valid_keys())
-    hint = f"did you mean {or_list(near)}?" if near else "`tailrl config show` lists the valid keys"
-    return ConfigError(f"unknown key {full!r}; {hint}")
+    return config_keys.valid_keys(cls, prefix)
 
 
 def _set(obj, parts: list[str], value, full: str) -> None:
-    name = parts[0]
-    names = [f.name for f in dataclasses.fields(obj)]
-    if name not in names:
-        raise unknown_key(full)
-    t = _field_type(type(obj), name)
-    if len(parts) > 1:
-        if not dataclasses.is_dataclass(t):
-            raise unknown_key(full)
-        _set(getattr(obj, name), parts[1:], value, full)
-    elif dataclasses.is_dataclass(t):
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {full!r} is a section; give its keys ({', '.join(valid_keys(t, full + '.'))})")
-        for k, v in value.items():
-            _set(getattr(obj, name), [k], v, f"{full}.{k}")
-    else:
-        setattr(obj, name, coerce(value, t, full))
+    config_keys.set_key(obj, parts, value, full, Config)
 
 
 def load_config(path: str | None = None, overrides: list[str] = (), preset: str = "") -> Config:
