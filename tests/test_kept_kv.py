@@ -7,23 +7,12 @@ import pytest
 import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.engine.blocks import BLOCK
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
+from tests.test_paged import _gb, tiny  # noqa: F401 - tiny: the same module fixture (llama, seed 11)
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 STOPS = [20, 31, 42, 53, 64, 75]  # 6 of 96 words: a turn of 40 tokens stops early with probability ~0.92
 EXTRA = [5, 6, 7, 8, 9, 10, 11]  # the "observation" a continuation appends after the stopped turn
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory, "llama", seed=11)
-
-
-def _gb(blocks: int, model) -> float:
-    c = model.config
-    return (blocks + 1.5) * BLOCK * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 / 2**30
 
 
 def _engine(model, blocks=None, mode="off", invariant=True) -> Engine:
