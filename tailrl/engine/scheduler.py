@@ -86,15 +86,18 @@ class Scheduler:
             free_rows, plen = self.max_num_seqs - len(self.running), prefill_len(group[0])
             if free_rows < 1:
                 break
-            kept, owned = self._claim(group), True
-            if not kept[1] and self.prefix_cache:
-                kept, owned = self._shared(group[0], plen), False
-                if pending.intersection(kept[0]):  # its prefix is in this very pass: it shares it from the next
+            lead_seq = group[0]
+            keys = chain_keys(lead_seq.prompt_ids + lead_seq.output_ids[:-1], plen // BLOCK) if self.prefix_cache else []
+            reuse, blocks = self._claim(group)  # positions and blocks of parked K/V this request continues
+            owned = bool(blocks)
+            if not owned and keys:  # else live blocks of the same prefix, whole blocks before its last position
+                blocks = self.kv.tables.lookup(keys[: (plen - 1) // BLOCK])
+                if pending.intersection(keys[: len(blocks)]):  # its prefix is in this very pass: shared from the next
                     break
-                kept = ([0] * len(kept[1]) * BLOCK, kept[1])
-            if admitted and prefill_tokens + plen - len(kept[0]) > self.max_prefill_tokens:
+                reuse = len(blocks) * BLOCK
+            if admitted and prefill_tokens + plen - reuse > self.max_prefill_tokens:
                 break
-            lead = blocks_for(plen + 1) - len(kept[1])  # the prompt and the first sampled token's position
+            lead = blocks_for(plen + 1) - len(blocks)  # the prompt and the first sampled token's position
             idle = not self.running and not admitted
             spare = self.kv.tables.num_free - forks - (0 if idle else self.watermark)
             k = min(len(group), free_rows, spare - lead + 1)  # samples that fit: lead + (k - 1) blocks
@@ -108,8 +111,8 @@ class Scheduler:
                                       f"holds {self.kv.num_blocks - 1}: raise kv_cache_gb")
                     continue
                 break
-            if kept[1] and owned:
-                del self.parked[group[0].params.resume]
+            if owned:
+                del self.parked[lead_seq.params.resume]
             if k < len(group):  # the rest of the group waits; each part prefills
                 self.waiting[0] = group[k:]
                 group = group[:k]
@@ -120,44 +123,36 @@ class Scheduler:
                 self.running.append(seq)
                 self._admitted += 1
                 self.order[seq.seq_id] = self._admitted
-            group[0].kept = 0  # a preempted resumed request held its K/V once: it prefills everything now
-            if kept[1] and owned:
-                self.kv.tables.attach(group[0].slot, kept[1])
-                group[0].kept = min(len(kept[0]), plen - 1)  # at least one token prefills: its logits
-                self.resumed_tokens += group[0].kept
-            elif kept[1]:  # whole blocks before its last position: nothing it writes lands in a shared block
-                self.kv.tables.share(group[0].slot, kept[1])
-                group[0].kept = len(kept[0])
-                self.shared_tokens += group[0].kept
-            self.kv.ensure([group[0].slot], plen + 1)  # siblings fork it after the prefill (engine/passes.py)
-            if self.prefix_cache:  # its full prompt blocks serve later requests with the same prefix
-                keys = chain_keys(group[0].prompt_ids + group[0].output_ids[:-1], plen // BLOCK)
-                self.kv.tables.remember(group[0].slot, keys)
+            lead_seq.kept = 0  # a preempted resumed request held its K/V once: it prefills everything now
+            if owned:
+                self.kv.tables.attach(lead_seq.slot, blocks)
+                lead_seq.kept = min(reuse, plen - 1)  # at least one token prefills: its logits
+                self.resumed_tokens += lead_seq.kept
+            elif blocks:  # whole blocks before its last position: nothing it writes lands in a shared block
+                self.kv.tables.share(lead_seq.slot, blocks)
+                lead_seq.kept = reuse
+                self.shared_tokens += reuse
+            self.kv.ensure([lead_seq.slot], plen + 1)  # siblings fork it after the prefill (engine/passes.py)
+            if keys:  # its full prompt blocks serve later requests with the same prefix
+                self.kv.tables.remember(lead_seq.slot, keys)
                 pending.update(keys)
             admitted.append(group)
-            prefill_tokens += plen - group[0].kept
+            prefill_tokens += plen - lead_seq.kept
             forks += len(group) - 1
         return admitted
 
-    def _shared(self, s: Sequence, plen: int) -> tuple[list[int], list[int]]:
-        """(the chain keys, the live blocks) of the longest run of s's prompt blocks another request holds, among
-        its whole blocks before its last prefill position (that position is prefilled for its logits)."""
-        keys = chain_keys(s.prompt_ids + s.output_ids[:-1], (plen - 1) // BLOCK)
-        blocks = self.kv.tables.lookup(keys)
-        return keys[: len(blocks)], blocks
-
-    def _claim(self, group: list[Sequence]) -> tuple[list[int], list[int]]:
-        """(tokens, blocks) parked for this group's `resume` when it is one fresh sample whose prompt continues
-        them; ([], []) otherwise (it prefills everything, and an entry it does not continue is freed: only the
+    def _claim(self, group: list[Sequence]) -> tuple[int, list[int]]:
+        """(positions, blocks) parked for this group's `resume` when it is one fresh sample whose prompt continues
+        them; (0, []) otherwise (it prefills everything, and an entry it does not continue is freed: only the
         request that names it could use it)."""
         s = group[0]
         entry = self.parked.get(s.params.resume) if s.params.resume is not None else None
         if entry is None:
-            return [], []
+            return 0, []
         if len(group) > 1 or s.output_ids or s.prompt_ids[: len(entry[0])] != entry[0]:
             self.drop_parked([s.params.resume])
-            return [], []
-        return entry
+            return 0, []
+        return len(entry[0]), entry[1]
 
     def park(self, seqs: list[Sequence]) -> None:
         """Finished sequences that asked keep_kv and stopped on a stop keep their blocks (not past their tokens)."""
