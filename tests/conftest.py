@@ -17,6 +17,16 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture
+def chunked_route(monkeypatch):
+    """The batch-invariant passes' attention over fixed key chunks (model/chunked.py), as where our C kernel cannot be
+    built (on a CPU it otherwise reads the cache in place, model/paged_attention.py)."""
+    from tailrl.model import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_LIB", [None])
+    monkeypatch.setattr(paged_attention, "_WHY", ["off for the test"])
+
+
 @pytest.fixture(scope="session")
 def smollm():
     from tailrl.model import load_model

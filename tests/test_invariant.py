@@ -76,7 +76,7 @@ def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(request, tiny
     assert [d for d in diffs if d[1] is not None] == []
 
 
-def test_chunked_attention_matches_dense_attention(tiny_ckpt):
+def test_chunked_attention_matches_dense_attention(tiny_ckpt, chunked_route):
     """The chunked pass (keys in CHUNK-position items at absolute offsets, merged by log-sum-exp) computes the same
     attention as the dense-mask pass, up to fp32 rounding: sequences whose keys span one to three chunks, plain rows
     and draft trees (one crossing a chunk boundary), and a prefill of several prompts in one pass. In float64, so the
@@ -109,7 +109,7 @@ def test_chunked_attention_matches_dense_attention(tiny_ckpt):
         torch.testing.assert_close(chunked, dense, rtol=0, atol=bound)
 
 
-def test_chunk_plan_reads_only_the_chunks_each_sequence_reaches():
+def test_chunk_plan_reads_only_the_chunks_each_sequence_reaches(chunked_route):
     """A pass's attention cost follows what the sequences hold: one sequence at 10 keys reads one chunk, one at
     CHUNK + 10 reads two, whatever the cache's capacity; a deep draft adds query blocks, not chunks, and its blocks
     share one kernel item per chunk."""
@@ -176,7 +176,7 @@ def test_the_probes_verdict_decides_the_passes_and_names_a_broken_construction(s
     assert not eng.runner.invariant and eng.invariance is broken
 
 
-def test_probe_finds_what_only_a_whole_pass_meets(smol_kernels, monkeypatch):
+def test_probe_finds_what_only_a_whole_pass_meets(smol_kernels, chunked_route, monkeypatch):
     """A kernel whose items round otherwise in calls of more than 12 items: no item check meets it (their calls hold
     9), but a prefill does (its prompt's 17 items share a call) and its last token decoded alone (2 items) does not,
     so only the probe's end-to-end check sees it, and it must name it. Where this CPU's own kernels already fail the
@@ -199,6 +199,31 @@ def test_probe_finds_what_only_a_whole_pass_meets(smol_kernels, monkeypatch):
     assert not verdict.ok
     if real.ok:
         assert verdict.failed == ["end to end: a token decoded alone differs from the same token in its prompt's prefill"]
+
+
+def test_probe_names_an_in_place_kernel_whose_rows_depend_on_the_pass(smol_kernels, monkeypatch):
+    """On a CPU the invariant passes' attention is our kernel read in place (make_step builds no chunk plan); its
+    rows' independence of the pass is by construction, and a build that broke it (here: a sequence's rows scaled by
+    1 + 2^-6 in passes of more than one 16-token item) must fail the probe, named."""
+    import tailrl.engine.probe as probe
+    from tailrl.model import paged_attention as pa
+
+    if not pa.available():
+        pytest.skip(f"our kernel is not built here: {pa._WHY}")
+    step = make_step([10, 300], [1, 40], [0, 1], invariant=True)
+    assert step.in_place and step.chunks is None and step.mask is None and step.lens.tolist() == [[10, 1], [300, 40]]
+    model, _ = smol_kernels
+    real = pa.paged_attention
+
+    def broken(q, *args, **kw):
+        o = real(q, *args, **kw)
+        return o * (1 + 2**-6) if q.shape[1] > 16 else o
+
+    monkeypatch.setattr(pa, "paged_attention", broken)
+    monkeypatch.setattr(probe, "_CACHE", {})
+    verdict = probe.probe_invariance(model)
+    assert not verdict.ok and "attention rows (our kernel, in place): a row decoded alone differs as a causal " \
+        "prefill's row beside another sequence" in verdict.summary(), verdict.summary()
 
 
 def test_invariant_decode_matches_the_plain_pass_in_fp32(smollm):

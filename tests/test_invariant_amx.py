@@ -19,6 +19,7 @@ import torch
 
 import tailrl.engine.probe as probe
 import tailrl.model.chunked as chunked
+import tailrl.model.packed as packed
 from tailrl.engine.kv_cache import KVCache
 from tailrl.model import make_step
 from tailrl.model.chunked import CHUNK, QUERY_BLOCK
@@ -99,7 +100,7 @@ def prefill_and_decode(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @pytest.fixture
-def amx_attention(monkeypatch):
+def amx_attention(chunked_route, monkeypatch):
     hits = []
     fake = packed_kernel(hits)
     monkeypatch.setattr(chunked, "kernel", fake)
@@ -151,7 +152,7 @@ def test_the_old_folding_reaches_the_packed_path_and_the_probe_names_it(amx_atte
         assert "a block's rows differ in an item of 4 blocks" in verdict.summary(), verdict.summary()
 
 
-def test_chunked_attention_with_split_head_groups_matches_dense_attention():
+def test_chunked_attention_with_split_head_groups_matches_dense_attention(chunked_route):
     """16 query heads on one K/V head: the kernel items take 8 heads each (kernel_split), and the invariant pass
     computes the dense pass's attention. In float64, so the bound comes from what runs in fp32 in both passes (the
     chunks' merge, model/chunked.py, and RMSNorm): a few fp32 roundings of eps/2 each, allowed as 32 eps of fp32 at
@@ -203,6 +204,8 @@ def test_probe_sizes_product_calls_on_cancelling_data(monkeypatch):
     hidden = (other_order(rand, w) != linear(rand, w)).float().mean().item()
     shown = (other_order(cancel, wc) != linear(cancel, wc)).float().mean().item()
     assert hidden < 0.02 and shown > 0.3, (hidden, shown)
+    monkeypatch.setattr(probe, "pack_weight", lambda w: None)  # products through F.linear, as where oneDNN cannot pack
+    monkeypatch.setattr(packed, "pack_weight", lambda w: None)
     monkeypatch.setattr(probe, "_CACHE", {})
     real = probe.probe_invariance(model)
     monkeypatch.setattr(probe, "_CACHE", {})

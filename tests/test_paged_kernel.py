@@ -76,8 +76,9 @@ def test_bf16_is_computed_in_fp32_and_rounded_once():
     case = _case(3, dtype=torch.bfloat16)
     out, ref = pa.paged_attention(*case), _reference(*case)
     assert out.dtype == torch.bfloat16
-    # the fp32 bound plus the final rounding to bf16 (half an ulp: 2^-9 of the value)
-    tol = _bound(case[0], case[1], case[2], case[5]) + 2.0**-9 * ref.abs()
+    # the fp32 bound plus the final rounding to bf16 (half an ulp: at most 2^-8 of the value, 8 significant bits)
+    bound = _bound(case[0], case[1], case[2], case[5])
+    tol = bound + 2.0**-8 * (ref.abs() + bound)
     assert ((out.double() - ref).abs() <= tol).all()
 
 
@@ -108,6 +109,58 @@ def test_a_hidden_key_changes_nothing_and_a_seen_one_does():
     v2 = v_pool.clone()
     v2[:, table[slots[0], 0], 0] += 100  # key 0, which it sees
     assert not torch.equal(pa.paged_attention(q, k_pool, v2, table, slots, mask)[0], out[0])
+
+
+def _prefill_case(seed, dtype=torch.float32):
+    """Three sequences continuing their cached keys by 1, 37 and 20 new rows (a decode row and two prefills longer
+    than the kernel's 16-token items), padded to 37 rows: q [3, 37, H, D], lens [3, 2], and the causal mask over
+    keys that says the same."""
+    q, k_pool, v_pool, table, slots, _ = _case(seed, B=3, Q=37, max_len=150, dtype=dtype)
+    lens = torch.tensor([[120, 1], [40, 37], [0, 20]])
+    K = int(lens.sum(1).max())
+    i, j = torch.arange(37).view(1, 37, 1), torch.arange(K).view(1, 1, K)
+    mask = (j <= lens[:, :1].view(3, 1, 1) + i) & (i < lens[:, 1].view(3, 1, 1))
+    return q, k_pool, v_pool, table, slots, mask, lens
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_rows_from_lens_are_attention_over_their_keys_and_padding_is_zero(dtype):
+    """The invariant passes' route (model/step.py): rows causal from each sequence's cache_len, no mask; within the fp32
+    bound of the float64 reference (plus bf16's final rounding), the very bits of the same rows under the dense causal
+    mask, and zeros where a row pads its sequence."""
+    q, k_pool, v_pool, table, slots, mask, lens = _prefill_case(7, dtype)
+    out = pa.paged_attention(q, k_pool, v_pool, table, slots, None, lens)
+    real = mask.any(-1)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+    ref = _reference(q, k_pool, v_pool, table, slots, mask | ~real.unsqueeze(-1))  # padding rows: any finite row
+    bound = _bound(q, k_pool, v_pool, mask)
+    tol = bound + (2.0**-8 * (ref.abs() + bound) if dtype == torch.bfloat16 else 0)
+    assert ((out.double() - ref).abs() <= tol)[real].all()
+    dense = pa.paged_attention(q, k_pool, v_pool, table, slots, mask, lens)
+    assert torch.equal(dense, out)
+
+
+@needs_kernel
+def test_a_row_has_the_same_bits_decoded_alone_in_a_prefill_and_under_a_tree_mask():
+    """What the batch-invariant passes rest on: the last row of a 37-row prefill (in the kernel's third item of query
+    tokens), decoded alone at its position, and as the root of a verify pass beside other sequences, in bf16."""
+    q, k_pool, v_pool, table, slots, mask, lens = _prefill_case(8, torch.bfloat16)
+    full = pa.paged_attention(q, k_pool, v_pool, table, slots, None, lens)
+    b, i = 1, 36
+    at = int(lens[b, 0]) + i
+    alone = pa.paged_attention(q[b : b + 1, i : i + 1], k_pool, v_pool, table, slots[b : b + 1], None,
+                               torch.tensor([[at, 1]]))
+    assert torch.equal(alone[0, 0], full[b, i])
+    tree = torch.zeros(2, 4, at + 4, dtype=torch.bool)
+    tree[0, :, :at] = True
+    tree[0, :, at : at + 4] = torch.ones(4, 4, dtype=torch.bool).tril()
+    tree[1, :2, :31] = True
+    rows = torch.stack([torch.cat([q[b, i : i + 1], q[0, :3]]), q[2, :4]])
+    verify = pa.paged_attention(rows, k_pool, v_pool, table, torch.stack([slots[b], slots[2]]), tree,
+                                torch.tensor([[at, 4], [29, 2]]))
+    assert torch.equal(verify[0, 0], full[b, i])
+    assert torch.equal(verify[1, 2:], torch.zeros_like(verify[1, 2:]))  # rows past q_len pad the sequence
 
 
 @needs_kernel

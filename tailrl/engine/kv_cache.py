@@ -180,7 +180,7 @@ class KVCache:
                 cols = plan.pair_chunk.view(-1, 1) * per + torch.arange(per, device=tab.device)
                 pb = tab[plan.pair_slot.view(-1, 1), cols]  # [P, per] blocks of each (sequence, chunk) pair
                 addr["chunks"] = [pb[c.pairs].reshape(-1) for c in plan.calls]
-            elif not step.causal:
+            elif not step.causal and not step.row_tile:
                 nb = blocks_for(step.max_k)
                 addr["keys"] = tab[step.slots, :nb].reshape(-1)
             self._addr = (step, addr)

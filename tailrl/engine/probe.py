@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model import paged_attention
 from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE, kernel, kernel_split, tiled_linear
 from ..model.llama import CausalLM
+from ..model.packed import linear_packed, pack_weight
 from ..model.step import make_step
 from .kv_cache import KVCache
 from .probe_data import PAIRED, cancelling_keys, cancelling_product
@@ -53,14 +55,16 @@ def probe_invariance(model: CausalLM) -> ProbeResult:
     """The verdict for this model's shapes, dtype and device under this process's kernels and thread count."""
     c = model.config
     key = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-           c.vocab_size, c.num_hidden_layers, model.dtype, str(model.device), torch.get_num_threads())
+           c.vocab_size, c.num_hidden_layers, model.dtype, str(model.device), torch.get_num_threads(),
+           _in_place(model))
     if key not in _CACHE:
         t = time.perf_counter()
         with torch.inference_mode():
             products = _products(model)
             calls = _call_rows(products)
             ProbeResult(True, call_rows=calls).apply(model)
-            failed = _linear_rows(products) + _attention_items(model) + _sampler_rows(model.device)
+            attention = _in_place_rows(model) if _in_place(model) else _attention_items(model)
+            failed = _linear_rows(products) + attention + _sampler_rows(model.device)
             del products
             if not failed:  # the end-to-end check would only restate a failure found above
                 failed = _end_to_end(model)
@@ -73,13 +77,18 @@ CALL_MAX = 256  # the largest product call checked (the LM head's: 64)
 
 
 class _Product:
-    """A layer's product with the probe's weight (engine/probe_data.py): the layer's shape, dtype, bias and calls."""
+    """A layer's product with the probe's weight (engine/probe_data.py): the layer's shape, dtype, bias and calls,
+    through the kernel the invariant passes run (oneDNN's packed product where it packs this dtype on a CPU,
+    model/packed.py)."""
 
     def __init__(self, mod: torch.nn.Linear, weight: torch.Tensor):
         self.weight, self.call_rows = weight, getattr(mod, "call_rows", 0)
         self.bias = None if mod.bias is None else torch.zeros_like(mod.bias)
+        self.packed = pack_weight(weight) if weight.device.type == "cpu" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return linear_packed(x, self.packed, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -182,6 +191,48 @@ def _attention_items(model: CausalLM) -> list[str]:
         if not all(same((o[:, :, b * R : (b + 1) * R], lse[:, :, b * R : (b + 1) * R]), alone[b]) for b in range(m)):
             return [f"{where}: a block's rows differ in an item of {m} blocks"]
     return []
+
+
+def _in_place(model: CausalLM) -> bool:
+    """Whether the invariant passes' attention is our kernel's, read in place (model/step.py `make_step`)."""
+    return model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16) and paged_attention.available()
+
+
+def _in_place_rows(model: CausalLM) -> list[str]:
+    """Our kernel (model/paged_attention.py) gives a row the same bits decoded alone, as a row of a causal prefill
+    beside another sequence (its rows in items of the kernel's QBLOCK tokens), as the last row of its whole prompt's
+    prefill, and as a draft tree's root under a mask, on cancelling keys (engine/probe_data.py) the row sees in
+    whole groups: what the kernel promises by construction, checked on the build this process loaded."""
+    c = model.config
+    kvh, H, D, dev, dt = c.num_key_value_heads, c.num_attention_heads, c.head_dim, model.device, model.dtype
+    g = torch.Generator(device="cpu").manual_seed(5)
+    k, v = cancelling_keys(2, kvh, D, g)  # [2 sequences, kv heads, CHUNK, D]
+    per = CHUNK // 16
+    pools = [t.transpose(0, 1).reshape(kvh, 2 * per, 16, D).to(dev, dt).contiguous() for t in (k, v)]
+    table = torch.arange(2 * per, device=dev).view(2, per)
+    P = CHUNK - 7 * PAIRED  # the row at position P - 1 sees P keys: whole groups
+    q = torch.randn(2, P, H, D, generator=g).to(dev, dt)
+    where = "attention rows (our kernel, in place)"
+
+    def run(rows, slots, lens, mask=None):
+        lens = torch.tensor(lens, device=dev)
+        mask = None if mask is None else mask.to(dev)
+        return paged_attention.paged_attention(rows, *pools, table, torch.tensor(slots, device=dev), mask, lens)
+
+    alone = run(q[:1, P - 1 :], [0], [[P - 1, 1]])[0, 0]
+    block = run(torch.stack([q[0, P - 20 :], q[1, :20]]), [0, 1], [[P - 20, 20], [0, 20]])[0, -1]
+    whole = run(torch.stack([q[1], q[0]]), [1, 0], [[0, 37], [0, P]])[1, -1]
+    tree = torch.zeros(2, 6, P + 5, dtype=torch.bool)  # slot 0: a chain of 5 drafts on its root; slot 1: 3 rows
+    for i in range(6):
+        tree[0, i, : P + i] = True
+        tree[1, i, : 41 + i] = i < 3
+    rows = torch.zeros_like(q[:, :6])
+    rows[0, 0], rows[0, 1:], rows[1, :3] = q[0, P - 1], q[0, :5], q[1, :3]
+    verify = run(rows, [0, 1], [[P - 1, 6], [40, 3]], tree)[0, 0]
+    cases = {"as a causal prefill's row beside another sequence": block, "as its prompt's last prefill row": whole,
+             "as a draft tree's root under a mask": verify}
+    bad = [w for w, o in cases.items() if not torch.equal(o, alone)]
+    return [f"{where}: a row decoded alone differs {bad[0]}"] if bad else []
 
 
 def _sampler_rows(device) -> list[str]:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .packed import packed_linear
+
 CHUNK = 256  # keys per kernel item (<= the CPU flash kernel's 512-key block: one block per item)
 QUERY_BLOCK = 4  # query tokens per block (the unit of a row's attention work)
 FOLD = 5  # at most this many blocks of one sequence share a kernel item (fewer where the rows would reach PACK_ROWS)
@@ -245,15 +247,17 @@ def pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     return x if m == n else torch.cat([x, x.new_zeros(m - n, *x.shape[1:])])
 
 
-def in_calls(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def in_calls(layer, x: torch.Tensor) -> torch.Tensor:
     """layer(x) in calls of at most `layer.call_rows` rows (whole tiles; the start-up probe sets it per weight
-    shape, engine/probe.py): on an Intel CPU with AMX, a product of 1,536 inner columns rounded every tile otherwise
-    in calls of 160 rows or more than in a tile's own call, and one of 4,864 columns (Qwen2.5-0.5B's) from 32-48
-    rows. Without the attribute (the probe did not run) one call."""
+    shape, engine/probe.py), a torch Linear's through its packed weight in every call (model/packed.py): on an Intel
+    CPU with AMX, a product of 1,536 inner columns rounded every tile otherwise in calls of 160 rows or more than in a
+    tile's own call, and one of 4,864 columns (Qwen2.5-0.5B's) from 32-48 rows. Without the attribute (the probe did
+    not run) one call."""
+    run = (lambda t: packed_linear(layer, t, max_rows=None)) if isinstance(layer, torch.nn.Linear) else layer
     n = getattr(layer, "call_rows", 0)
     if not n or x.shape[0] <= n:
-        return layer(x)
-    return torch.cat([layer(x[i : i + n]) for i in range(0, x.shape[0], n)])
+        return run(x)
+    return torch.cat([run(x[i : i + n]) for i in range(0, x.shape[0], n)])
 
 
 def tiled_linear(layer: torch.nn.Linear, x: torch.Tensor, tile: int) -> torch.Tensor:

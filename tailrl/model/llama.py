@@ -125,16 +125,19 @@ class Attention(nn.Module):
     def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
         """Writes the new tokens' K/V at their rows' (slot, position) in the paged cache `kv` (engine/kv_cache.py),
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
-        invariant step over each sequence's own key chunks (model/chunked.py), any other over each sequence's keys
-        gathered up to the pass's longest, under step.mask (a decode or verify pass on a CPU: read in place by our
-        kernel, model/paged_attention.py)."""
+        invariant step by our kernel in place (model/paged_attention.py; off a CPU over each sequence's own key
+        chunks, model/chunked.py), any other over each sequence's keys gathered up to the pass's longest, under
+        step.mask (a decode or verify pass on a CPU: read in place by our kernel)."""
         # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls; a plain
         # pass: weights packed once per weight version, model/packed.py)
-        q, k, v = self._qkv(x, cos, sin, in_calls if step.chunks is not None else packed_linear)
+        q, k, v = self._qkv(x, cos, sin, in_calls if step.row_tile else packed_linear)
         T = step.token_pos.shape[0]
-        kv.write(self.layer_idx, step, k[:T], v[:T])
-        if step.chunks is not None:  # written before it is read: a row sees its own key (model/chunked.py)
-            o = chunked_attention(q[:T], *kv.pools(self.layer_idx), step.chunks, kv.chunk_blocks(step))
+        kv.write(self.layer_idx, step, k[:T], v[:T])  # written before it is read: a row sees its own key
+        if step.row_tile:
+            if step.chunks is not None:
+                o = chunked_attention(q[:T], *kv.pools(self.layer_idx), step.chunks, kv.chunk_blocks(step))
+            else:
+                o = self._in_place(q[:T], kv, step)
             return in_calls(self.o_proj, pad_rows(o, x.shape[0]))
         if step.causal:
             o = self._attend(q, k, v, step)
@@ -149,6 +152,20 @@ class Attention(nn.Module):
         else:
             o = self._attend(q, *kv.keys(self.layer_idx, step), step)
         return packed_linear(self.o_proj, o)
+
+    def _in_place(self, q: torch.Tensor, kv, step: StepMeta) -> torch.Tensor:
+        """An invariant pass's attention, by our kernel over each sequence's keys in the cache: causal rows, or a
+        verify pass's tree mask. Returns [T, heads * D]."""
+        pools = kv.pools(self.layer_idx)
+        if not paged_attention.supports(q, pools[0]):
+            raise RuntimeError(f"a batch-invariant pass on a CPU runs in fp32 or bf16 with head_dim a multiple of 8 "
+                               f"up to 256, not {q.dtype} with head_dim {self.head_dim}")
+        B, Q = step.num_seqs, step.max_q
+        mask = None if step.mask is None else step.mask.view(B, Q, -1)
+        o = paged_attention.paged_attention(self._pad(q, step).transpose(1, 2), *pools, kv.block_table(), step.slots,
+                                            mask, step.lens)
+        o = o.view(B * Q, self.n_heads * self.head_dim)
+        return o if step.pad_idx is None else o[step.pad_idx]
 
     def _pad(self, t: torch.Tensor, step: StepMeta) -> torch.Tensor:
         """[T, heads, D] packed -> [B, heads, max_q, D] (right-padded with zeros per sequence)."""

@@ -11,9 +11,11 @@ version counters (torch 2.13), so an engine sharing the trainer's fp32 policy de
 packed. The engine therefore invalidates its packs whenever a new batch starts (Engine._new_batch: requests or
 imported sequences arriving at an idle engine):
 weights change between rollouts, never during one. The packed product
-is the same product with other rounding, so it serves the plain passes (exact in distribution); the
-batch-invariant passes keep the module's own kernel, the one the start-up probe checked (engine/probe.py). Where
-oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT) the layer runs unpacked."""
+is the same product with other rounding. The plain passes pack calls of up to PACK_ROWS rows; the batch-invariant
+passes pack every call, whatever its rows (a row must meet one kernel in a call of 16 rows and of 256), and the
+start-up probe checks the packed kernel they run (engine/probe.py; 1.5x the unpacked one's speed at a decode pass's
+16 rows in bf16 on a Zen 4). Where oneDNN cannot pack a dtype on this CPU (bf16 without AVX-512 or AVX-NE-CONVERT)
+the layer runs unpacked, in both."""
 
 from __future__ import annotations
 
@@ -41,19 +43,29 @@ def _key(w: torch.Tensor) -> tuple:
     return _GENERATION[0], w._version, w.data_ptr(), w.dtype
 
 
-def packed_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), through a packed copy of layer.weight on a CPU for at most PACK_ROWS rows (no autograd: the
-    engine's passes only)."""
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """w laid out once for oneDNN's product on this CPU, or None where oneDNN cannot pack its dtype here."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+    except (RuntimeError, AttributeError):  # no oneDNN pack for this dtype on this CPU
+        return None
+
+
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_linear(layer: nn.Linear, x: torch.Tensor, max_rows: int | None = PACK_ROWS) -> torch.Tensor:
+    """layer(x), through a packed copy of layer.weight on a CPU for at most max_rows rows (None: any number, as the
+    batch-invariant passes need: one kernel whatever a call's rows; no autograd: the engine's passes only)."""
     w = layer.weight
-    if x.device.type != "cpu" or torch.is_grad_enabled() or x.shape[0] > PACK_ROWS:
+    if x.device.type != "cpu" or torch.is_grad_enabled() or (max_rows is not None and x.shape[0] > max_rows):
         return layer(x)
     state = _PACKS.get(layer)
     if state is None or (state is not _UNPACKABLE and state[0] != _key(w)):
-        try:
-            state = (_key(w), torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16))
-        except (RuntimeError, AttributeError):  # no oneDNN pack for this dtype on this CPU
-            state = _UNPACKABLE
+        packed = pack_weight(w)
+        state = _UNPACKABLE if packed is None else (_key(w), packed)
         _PACKS[layer] = state  # kept beside the module, not in it: a deepcopy or pickle of the model never sees it
     if state is _UNPACKABLE:
         return layer(x)
-    return torch.ops.mkldnn._linear_pointwise(x, state[1], layer.bias, "none", [], "")
+    return linear_packed(x, state[1], layer.bias)

@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 # query rows a sequence up to which the kernel beats gather + grouped SDPA (benchmarks/decode_attention.py, Zen 3,
 # fp32, 1 thread, 4-32 sequences over 256-1,024 keys, with each key's rows looked up once: 0.25-0.30x at 1 row,
 # 0.49-0.73x at 5, 0.39-1.14x at 9 (0.83x against the idle gather's 28.6 ms at 32 x 1,024), 0.98-1.03x at 17): a verify
@@ -73,7 +73,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
     f = dll.tailrl_paged_attention
-    f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int, ctypes.c_int]
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int, ctypes.c_int]
     f.restype = ctypes.c_int
     return dll
 
@@ -101,26 +101,43 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                    slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                    slots: torch.Tensor, mask: torch.Tensor | None, lens: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, heads, D]; k_pool, v_pool [kv_heads, num_blocks, block, D]; table [rows, width] (int64 block ids of
     each cache row); slots [B] (int64 cache row of each sequence); mask [B, Q, keys] bool (True: the row sees the
-    key; a row must see at least one). Returns softmax(q k^T / sqrt(D)) v as [B, Q, heads, D]."""
+    key) or None; lens [B, 2] int64 (cache_len, q_len) or None. Without lens every row is real and sees what its mask
+    row says (at least one key). With lens, sequence b reads keys < cache_len + q_len, its rows from q_len on are
+    padding (zeros out), and without a mask its row i sees keys 0 .. cache_len + i (causal). Returns
+    softmax(q k^T / sqrt(D)) v as [B, Q, heads, D]."""
+    if not available():
+        raise RuntimeError(f"paged_attention: the kernel is not built here ({_WHY[0]})")
     B, Q, H, D = q.shape
     kvh, nblk, block, _ = k_pool.shape
-    q, mask = q.contiguous(), mask.contiguous()
-    table, slots = table.contiguous(), slots.contiguous()
-    if table.dtype != torch.int64 or slots.dtype != torch.int64 or mask.dtype != torch.bool:
+    q, table, slots = q.contiguous(), table.contiguous(), slots.contiguous()
+    if mask is None and lens is None:
+        raise ValueError("paged_attention: a mask, or lens for causal rows")
+    if table.dtype != torch.int64 or slots.dtype != torch.int64 or (mask is not None and mask.dtype != torch.bool):
         raise TypeError("paged_attention: table and slots are int64, mask is bool")
     if not (k_pool.is_contiguous() and v_pool.is_contiguous() and v_pool.shape == k_pool.shape):
         raise ValueError("paged_attention: k_pool and v_pool are contiguous and of one shape")
-    if mask.shape[:2] != (B, Q) or slots.shape != (B,) or mask.shape[2] > table.shape[1] * block:
-        raise ValueError(f"paged_attention: mask {tuple(mask.shape)} and slots {tuple(slots.shape)} do not fit q "
-                         f"{tuple(q.shape)} and a table of {table.shape[1]} blocks of {block}")
+    if lens is not None:
+        lens = lens.to(torch.int64).contiguous()
+        K = int((lens[:, 0] + lens[:, 1]).max()) if mask is None else mask.shape[2]
+        if lens.shape != (B, 2) or (mask is None and int(lens[:, 1].max()) > Q):
+            raise ValueError(f"paged_attention: lens {tuple(lens.shape)} do not fit q {tuple(q.shape)}")
+    else:
+        K = mask.shape[2]
+    if mask is not None:
+        mask = mask.contiguous()
+        if mask.shape[:2] != (B, Q):
+            raise ValueError(f"paged_attention: mask {tuple(mask.shape)} does not fit q {tuple(q.shape)}")
+    if slots.shape != (B,) or K > table.shape[1] * block:
+        raise ValueError(f"paged_attention: {K} keys and slots {tuple(slots.shape)} do not fit q {tuple(q.shape)} "
+                         f"and a table of {table.shape[1]} blocks of {block}")
     out = torch.empty_like(q)
     rc = _LIB[0].tailrl_paged_attention(
-        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), slots.data_ptr(), mask.data_ptr(),
-        out.data_ptr(), B, Q, H, kvh, D, nblk, block, table.shape[1], mask.shape[2], int(q.dtype == torch.bfloat16),
-        torch.get_num_threads())
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), slots.data_ptr(),
+        None if mask is None else mask.data_ptr(), None if lens is None else lens.data_ptr(), out.data_ptr(),
+        B, Q, H, kvh, D, nblk, block, table.shape[1], K, int(q.dtype == torch.bfloat16), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged_attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
     return out

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import paged_attention
 from .chunked import ROW_TILE, ChunkPlan, plan_chunks
 
 
@@ -34,6 +35,12 @@ class StepMeta:
     causal: bool = False  # every sequence starts at cache position 0 with no tree: causal among the new tokens only
     chunks: ChunkPlan | None = None  # batch-invariant attention over the sequences' own keys (model/chunked.py)
     row_tile: int = 0  # > 0: the pass's matrix products run on a whole number of tiles of this many rows
+    lens: torch.Tensor | None = None  # [B, 2] (cache_len, q_len): an invariant pass read in place by our kernel
+
+    @property
+    def in_place(self) -> bool:
+        """A batch-invariant pass whose attention our kernel reads from the cache (model/paged_attention.py)."""
+        return self.row_tile > 0 and self.chunks is None
 
     @property
     def num_seqs(self) -> int:
@@ -80,8 +87,10 @@ def make_step(
     become cache_len + depth) or per-sequence masks tree_masks[b][i, j] (new token i sees new token j).
     When every cache_len is 0 and there is no tree, the step is `causal` and carries no mask (causal=False
     builds the dense mask anyway: the path before the causal kernel, kept for benchmarks/gpu/cost.py).
-    invariant: the batch-invariant pass (engine/invariant.py): attention over each sequence's own keys in fixed
-    chunks (model/chunked.py, no dense mask) and matrix products on whole row tiles; slots need not be contiguous."""
+    invariant: the batch-invariant pass (engine/invariant.py): matrix products on whole row tiles, and attention
+    by our kernel read in place from the cache on a CPU (model/paged_attention.py: a mask for trees only, causal
+    rows from `lens`), elsewhere (or without a C compiler) over each sequence's own keys in fixed chunks
+    (model/chunked.py); slots need not be contiguous."""
     dev = torch.device(device)
     B = len(q_lens)
     cl = torch.tensor(cache_lens, dtype=torch.long, device=dev)
@@ -97,9 +106,15 @@ def make_step(
     meta = dict(token_slot=st[seq_of_token], token_pos=token_pos, slots=st, q_lens=list(q_lens), max_q=max_q,
                 max_k=max_k, pad_idx=pad_idx)
     is_tree = tree_parents is not None or tree_masks is not None
-    if invariant:
-        if tree_masks is not None:
-            raise ValueError("an invariant pass takes trees as tree_parents")
+    if invariant and tree_masks is not None:
+        raise ValueError("an invariant pass takes trees as tree_parents")
+    if invariant and dev.type == "cpu" and paged_attention.available():
+        positions = token_pos if positions is None else positions.to(dev)
+        meta.update(row_tile=ROW_TILE, lens=torch.stack([cl, ql], 1), mask=None)
+        if tree_parents is None:
+            return StepMeta(positions=positions, **meta)
+        causal = False  # the tree's mask, below
+    elif invariant:
         anc = tree_ancestors(tree_parents.to(dev)) if tree_parents is not None else None
         depths = None
         if anc is not None:
@@ -109,7 +124,7 @@ def make_step(
         return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=None, depths=depths,
                         chunks=plan_chunks(cache_lens, q_lens, slots, anc, dev), row_tile=ROW_TILE, **meta)
     if causal and not is_tree and not any(cache_lens):
-        return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=None, causal=True,
+        return StepMeta(positions=token_pos if positions is None else positions.to(dev), causal=True, mask=None,
                         **meta)
 
     i = torch.arange(max_q, device=dev).view(1, max_q, 1)
@@ -132,8 +147,8 @@ def make_step(
                 q = q_lens[b]
                 mask[b, :q, cache_lens[b] : cache_lens[b] + q] = tm.to(device=dev, dtype=torch.bool)
     mask |= (i >= ql.view(B, 1, 1)) & (j == 0)  # padded query rows see one key: softmax stays finite
-    return StepMeta(positions=token_pos if positions is None else positions.to(dev), mask=mask.unsqueeze(1),
-                    depths=depths, **meta)
+    meta["mask"] = mask.unsqueeze(1)
+    return StepMeta(positions=token_pos if positions is None else positions.to(dev), depths=depths, **meta)
 
 
 def make_padded_step(cache_lens: torch.Tensor, q_lens: torch.Tensor, parents: torch.Tensor | None, num_keys: int,
