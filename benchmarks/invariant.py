@@ -1,7 +1,8 @@
 """What batch-invariant decoding (engine/invariant.py) costs, and what it buys: SmolLM2-135M in bf16 on this CPU.
 
 1. The machine: its CPU flags and the start-up probe's verdict (engine/probe.py) with its time.
-2. Decode passes alone: tokens/s of a plain decode step at batch 1, 8 and 64 (context 150), invariant against plain.
+2. Passes alone: tokens/s of a decode step at batch 1, 8 and 64 (context 150) and of prefills (8 x 256, 1 x 2,048),
+   plain against invariant with our kernel in place (the CPU default) and invariant over key chunks (the fallback).
 3. Rollouts: four engines side by side (batch_invariant off/on x SD off/auto), the same prompts, seeds and
    sampling, epochs interleaved; epoch 0 fills the history drafter and the later epochs are timed. Per arm the
    rollout seconds, tokens and tokens/s, and per invariant setting how many sampled responses SD auto emitted
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -21,7 +23,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.kv_cache import KVCache
 from tailrl.engine.probe import probe_invariance
-from tailrl.model import load_model, make_step
+from tailrl.model import load_model, make_step, paged_attention
 from tailrl.speculative.config import SpecConfig
 
 from spec_rollout import prompts  # noqa: E402  (benchmarks/ is the script's folder)
@@ -82,23 +84,51 @@ def machine(model) -> None:
     print(f"probe: {verdict.summary()} ({verdict.seconds:.2f} s)\n")
 
 
+@contextlib.contextmanager
+def chunked_route():
+    """The invariant passes' attention over 256-key chunks on PyTorch's flash kernel (model/chunked.py), as where our
+    C kernel cannot be built."""
+    lib = paged_attention._LIB[:]
+    paged_attention._LIB[:] = [None]
+    try:
+        yield
+    finally:
+        paged_attention._LIB[:] = lib
+
+
+ROUTES = ("plain", "in place", "chunked")
+
+
+def _rate(model, kv, ids, step_args, route, reps) -> float:
+    """Tokens/s of one pass shape on a route, the second of two interleaved rounds kept by the caller."""
+    inv = route != "plain"
+    with chunked_route() if route == "chunked" else contextlib.nullcontext():
+        model(ids, make_step(*step_args, invariant=inv), kv)
+        t = time.perf_counter()
+        for _ in range(reps):
+            model(ids, make_step(*step_args, invariant=inv), kv)
+        return len(ids) * reps / (time.perf_counter() - t)
+
+
 def decode_steps(model, context: int = 150, reps: int = 5) -> None:
-    print("| batch | plain tok/s | invariant tok/s | invariant / plain |")
-    print("|---|---|---|---|")
-    for B in (1, 8, 64):
+    """Decode passes (batch 1, 8, 64 at `context`) and prefill passes (8 prompts of 256, one of 2,048), tokens/s per
+    route: plain, invariant with our kernel in place (the CPU default), invariant over key chunks (the fallback)."""
+    print("| pass | plain tok/s | invariant, in place | invariant, chunked | in place / plain | chunked / plain |")
+    print("|---|---|---|---|---|---|")
+    shapes = [(f"decode, batch {B}", [context] * B, [1] * B) for B in (1, 8, 64)]
+    shapes += [("prefill, 8 x 256", [0] * 8, [256] * 8), ("prefill, 1 x 2,048", [0], [2048])]
+    for name, cache, q in shapes:
+        B = len(q)
         kv = KVCache(model.config, 2 << 30, "cpu", torch.bfloat16)
-        kv.layout(B, 256)
-        ids = torch.randint(0, 1000, (B,))
+        kv.layout(B, max(c + n for c, n in zip(cache, q)) + 16)
+        ids = torch.randint(0, 1000, (sum(q),))
         rate = {}
         with torch.inference_mode():
-            for inv in (False, True, False, True):  # interleaved, the second round kept
-                step = make_step([context] * B, [1] * B, list(range(B)), invariant=inv)
-                model(ids, step, kv)
-                t = time.perf_counter()
-                for _ in range(reps):
-                    model(ids, make_step([context] * B, [1] * B, list(range(B)), invariant=inv), kv)
-                rate[inv] = B * reps / (time.perf_counter() - t)
-        print(f"| {B} | {rate[False]:.1f} | {rate[True]:.1f} | {rate[True] / rate[False]:.2f}x |")
+            for _ in range(2):  # interleaved, the second round kept
+                for route in ROUTES:
+                    rate[route] = _rate(model, kv, ids, (cache, q, list(range(B))), route, reps if q[0] == 1 else 2)
+        print(f"| {name} | {rate['plain']:.1f} | {rate['in place']:.1f} | {rate['chunked']:.1f} | "
+              f"{rate['in place'] / rate['plain']:.2f}x | {rate['chunked'] / rate['plain']:.2f}x |")
     print()
 
 

@@ -23,7 +23,7 @@ from ..model import paged_attention
 from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE, kernel, kernel_split, tiled_linear
 from ..model.llama import CausalLM
 from ..model.packed import linear_packed, pack_weight
-from ..model.step import make_step
+from ..model.step import invariant_in_place, make_step
 from .kv_cache import KVCache
 from .probe_data import PAIRED, cancelling_keys, cancelling_product
 from .sampler import warped_logprobs
@@ -56,14 +56,14 @@ def probe_invariance(model: CausalLM) -> ProbeResult:
     c = model.config
     key = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
            c.vocab_size, c.num_hidden_layers, model.dtype, str(model.device), torch.get_num_threads(),
-           _in_place(model))
+           invariant_in_place(model.device))
     if key not in _CACHE:
         t = time.perf_counter()
         with torch.inference_mode():
             products = _products(model)
             calls = _call_rows(products)
             ProbeResult(True, call_rows=calls).apply(model)
-            attention = _in_place_rows(model) if _in_place(model) else _attention_items(model)
+            attention = _in_place_rows(model) if invariant_in_place(model.device) else _attention_items(model)
             failed = _linear_rows(products) + attention + _sampler_rows(model.device)
             del products
             if not failed:  # the end-to-end check would only restate a failure found above
@@ -191,11 +191,6 @@ def _attention_items(model: CausalLM) -> list[str]:
         if not all(same((o[:, :, b * R : (b + 1) * R], lse[:, :, b * R : (b + 1) * R]), alone[b]) for b in range(m)):
             return [f"{where}: a block's rows differ in an item of {m} blocks"]
     return []
-
-
-def _in_place(model: CausalLM) -> bool:
-    """Whether the invariant passes' attention is our kernel's, read in place (model/step.py `make_step`)."""
-    return model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16) and paged_attention.available()
 
 
 def _in_place_rows(model: CausalLM) -> list[str]:

@@ -1,4 +1,4 @@
-"""Decode attention read in place from the paged KV cache, by a C kernel of ours (csrc/paged_attention.c).
+"""Attention read in place from the paged KV cache, by a C kernel of ours (csrc/paged_attention.c).
 
 The library route of a decode pass gathers every sequence's blocks into a dense [B, kv_heads, keys, D] copy padded to
 the pass's longest sequence, then runs PyTorch's CPU flash kernel on the copy; the kernel here reads each sequence's
@@ -8,12 +8,15 @@ copy is most of a decode step's memory traffic (benchmarks/RESULTS.md, issue 47'
 The kernel is built once per machine with the C compiler (`cc`, or $CC; a few seconds) into a cache folder
 ($TAILRL_KERNEL_CACHE, default ~/.cache/tailrl/kernels) and loaded with ctypes: no torch headers, no build step at
 install. Where it cannot be built (no compiler) or TAILRL_PAGED_KERNEL=0, `available()` is False and the engine keeps
-the gather route; the reason is logged once at INFO. It serves the engine's plain decode and verify passes (up to
-MAX_Q query rows a sequence, CPU, fp32 or bf16); longer passes (deeper drafts, a prefill continuing a cached prefix)
-keep the gather route, whose matrix-product kernel wins there, and the batch-invariant passes keep model/chunked.py.
+the gather route (and the batch-invariant passes model/chunked.py); the reason is logged once at INFO. It serves the
+engine's plain decode and verify passes (up to MAX_Q query rows a sequence, CPU, fp32 or bf16; longer plain passes,
+deeper drafts or a prefill continuing a cached prefix, keep the gather route, whose matrix-product kernel wins
+there) and every attention of the batch-invariant passes on a CPU: decode, verify and prefill, causal rows given
+by each sequence's (cache_len, q_len) with no mask, in items of up to 16 query tokens of one sequence.
 
 A row's output depends only on its query and the keys and values its mask row lets it see, in a fixed order of
-operations (csrc/paged_attention.c): it has the same bits whatever else shares the pass."""
+operations (csrc/paged_attention.c): it has the same bits whatever else shares the pass, which is what the
+batch-invariant passes need (engine/invariant.py; the start-up probe checks it on the loaded build)."""
 
 from __future__ import annotations
 
@@ -110,6 +113,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     softmax(q k^T / sqrt(D)) v as [B, Q, heads, D]."""
     if not available():
         raise RuntimeError(f"paged_attention: the kernel is not built here ({_WHY[0]})")
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"paged_attention: fp32 or bf16 queries and pools of their dtype, not {q.dtype}/{k_pool.dtype}")
     B, Q, H, D = q.shape
     kvh, nblk, block, _ = k_pool.shape
     q, table, slots = q.contiguous(), table.contiguous(), slots.contiguous()

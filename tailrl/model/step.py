@@ -47,6 +47,12 @@ class StepMeta:
         return len(self.q_lens)
 
 
+def invariant_in_place(device) -> bool:
+    """Whether a batch-invariant pass's attention is our kernel's, read in place from the cache (on a CPU where it
+    builds, model/paged_attention.py), rather than over fixed key chunks (model/chunked.py)."""
+    return torch.device(device).type == "cpu" and paged_attention.available()
+
+
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
     """parents [B, Q]: the row index of each row's parent within its sequence (a root or a padded row points
     to itself). Returns [B, Q, Q] bool: [b, i, j] = row j is row i or one of its ancestors. Fixed-shape ops
@@ -108,7 +114,7 @@ def make_step(
     is_tree = tree_parents is not None or tree_masks is not None
     if invariant and tree_masks is not None:
         raise ValueError("an invariant pass takes trees as tree_parents")
-    if invariant and dev.type == "cpu" and paged_attention.available():
+    if invariant and invariant_in_place(dev):
         positions = token_pos if positions is None else positions.to(dev)
         meta.update(row_tile=ROW_TILE, lens=torch.stack([cl, ql], 1), mask=None)
         if tree_parents is None:
