@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..model.config import ModelConfig
-from ..model.llama import DecoderLayer, rope_cos_sin, rope_inv_freq
+from ..model.llama import DecoderLayer
+from ..model.rope import rope_cos_sin, rope_inv_freq
 
 EAGLE_ARCH = {"llama": "LlamaForCausalLMEagle", "mistral": "LlamaForCausalLMEagle",
               "qwen2": "Qwen2ForCausalLMEagle", "qwen3": "Qwen3ForCausalLMEagle"}

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
-from .llama import CausalLM, rope_inv_freq
+from .llama import CausalLM
+from .rope import rope_inv_freq
 
 log = logging.getLogger(__name__)
 
