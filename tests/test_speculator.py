@@ -170,13 +170,21 @@ def test_block_budget_fills_whole_query_blocks():
     assert [block_end(n, 4) for n in (0, 1, 2, 3, 4, 7, 8)] == [3, 3, 3, 3, 7, 7, 11]
 
 
-@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "plain"])
-def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(tiny, invariant):
-    """Under batch-invariant passes a sequence's 1 + n rows fill whole blocks of QUERY_BLOCK rows (its attention runs
-    once per block, full or not): the selector's budgets (1, 2, 4, 8, 16) become (1, 2, 3, 7, 15) and every draft
-    asked for is one of those lengths. Plain passes keep the budgets as configured."""
+@pytest.mark.parametrize("route", ["in place", "chunked", "plain"])
+def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(request, tiny, route):
+    """Under batch-invariant passes a sequence's 1 + n rows fill whole blocks of query rows (its attention reads the
+    sequence's keys once per block, full or not): on the chunked route (model/chunked.py) blocks of QUERY_BLOCK = 4
+    rows, so the selector's budgets (1, 2, 4, 8, 16) become (1, 2, 3, 7, 15) and every draft asked for is one of
+    those lengths; in place (our kernel, a CPU's default) items of ITEM_TOKENS = 16, so 16 becomes 15. Plain passes
+    keep the budgets as configured."""
     from tailrl.model.chunked import QUERY_BLOCK
+    from tailrl.model.paged_attention import ITEM_TOKENS, available
 
+    if route == "chunked":
+        request.getfixturevalue("chunked_route")
+    elif route == "in place" and not available():
+        pytest.skip("our kernel is not built here")
+    invariant = route != "plain"
     spec = SpecConfig(mode="ngram", budgets=(1, 2, 4, 8, 16), init_depth=16, min_depth=4)
     sp = Speculator(spec)
     eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec, batch_invariant=invariant), sp)
@@ -194,21 +202,28 @@ def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(tiny, invariant
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [8, 9, 8, 9, 8, 9]]  # repeats: n-gram drafts that get accepted, depths grow
     out = eng.generate(prompts, SamplingParams(n=3, max_tokens=60, temperature=0, ignore_eos=True))
     assert all(len(c.token_ids) == 60 for c in out)
-    if invariant:
-        assert QUERY_BLOCK == 4 and sp.selector.budgets == (1, 2, 3, 7, 15)
+    if route == "chunked":
+        assert QUERY_BLOCK == 4 and sp.row_block == 4 and sp.selector.budgets == (1, 2, 3, 7, 15)
         # drafts are asked for to the end of their last query block (the free rows of a tile may verify them:
         # test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token); 1 and 2 where max_tokens is near
         assert set(asked) <= {0, 1, 2, 3, 7, 11, 15} and {3, 7, 15} <= set(asked)
+    elif route == "in place":
+        assert ITEM_TOKENS == 16 and sp.row_block == 16 and sp.selector.budgets == (1, 2, 4, 8, 15)
+        assert set(asked) <= set(range(16)) and 15 in asked  # to the end of the item: 15 drafts and the root
     else:
         assert sp.selector.budgets == (1, 2, 4, 8, 16)
         assert {1, 2, 4, 8, 16} <= set(asked)
 
 
-def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(tiny):
+@pytest.mark.parametrize("route", ["in place", "chunked"])
+def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(request, tiny, route):
     """6 sequences drafting one token each verify 12 rows in a pass whose products run on 16 (ROW_TILE): the 4 free
-    rows verify the next nodes of the likeliest drafts, never past a sequence's query block or into another tile.
-    The tokens are those of plain decoding."""
-    from tailrl.model.chunked import QUERY_BLOCK, ROW_TILE
+    rows verify the next nodes of the likeliest drafts, never past a sequence's query block (ITEM_TOKENS in place,
+    QUERY_BLOCK on the chunked route) or into another tile. The tokens are those of plain decoding."""
+    from tailrl.model.chunked import ROW_TILE
+
+    if route == "chunked":
+        request.getfixturevalue("chunked_route")
 
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [8, 9, 8, 9, 8, 9]]
     params = SamplingParams(n=3, max_tokens=60, temperature=0, ignore_eos=True)
@@ -223,13 +238,15 @@ def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(tiny)
         return decode(roots, cache_lens, trees)
 
     eng.runner.decode = spy
+    block = sp.row_block
+    assert block == (4 if route == "chunked" else 16)
     out = eng.generate(prompts, params)
     off = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=SpecConfig(mode="off"), batch_invariant=True))
     assert [c.token_ids for c in out] == [c.token_ids for c in off.generate(prompts, params)]
     verified = [(p, v) for p, v in passes if v]
     assert verified and any(sum(v) > sum(p) for p, v in verified)  # steps verified more than the arm's budget
     for planned, nodes in verified:
-        assert all(p <= n <= max(p, -(-(1 + p) // QUERY_BLOCK) * QUERY_BLOCK - 1) for p, n in zip(planned, nodes))
+        assert all(p <= n <= max(p, -(-(1 + p) // block) * block - 1) for p, n in zip(planned, nodes))
         tiles = lambda ns: -(-sum(1 + n for n in ns) // ROW_TILE)  # noqa: E731
         assert tiles(nodes) == tiles(planned)
     fed = SpecConfig(mode="ngram", budgets=(1,), fill_tiles=False)

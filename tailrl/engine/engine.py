@@ -17,6 +17,7 @@ import torch
 from ..model.chunked import CHUNK, QUERY_BLOCK, ROW_TILE
 from ..model.llama import CausalLM
 from ..model.packed import invalidate_packs
+from ..model.paged_attention import ITEM_TOKENS
 from ..model.step import invariant_in_place
 from ..speculative.backoff import token_classes
 from ..speculative.speculator import Speculator
@@ -58,9 +59,11 @@ class Engine:
                                   int(cfg.cuda_graph_mem_gb * 2**30), cfg.pad_to_buckets, invariant)
         if self.speculator is not None:
             classes, digits = token_classes(tokenizer)
-            chunked = self.runner.invariant and not invariant_in_place(self.runner.device)
+            # an invariant verifier reads a sequence's keys once per block of its query rows: our kernel's items in
+            # place, QUERY_BLOCK rows on the chunked route (model/chunked.py)
+            block = ITEM_TOKENS if invariant_in_place(self.runner.device) else QUERY_BLOCK
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
-                                  row_block=QUERY_BLOCK if chunked else 0, key_chunk=CHUNK,
+                                  row_block=block if self.runner.invariant else 0, key_chunk=CHUNK,
                                   classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark,
                                    cfg.prefix_cache if cfg.prefix_cache != "auto" else self.runner.invariant)

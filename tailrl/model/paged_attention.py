@@ -41,6 +41,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-sha
 # 0.49-0.73x at 5, 0.39-1.14x at 9 (0.83x against the idle gather's 28.6 ms at 32 x 1,024), 0.98-1.03x at 17): a verify
 # pass of draft budgets up to 8; deeper ones gather
 MAX_Q = 9
+ITEM_TOKENS = 16  # query tokens of one sequence a kernel item takes at most (csrc QBLOCK): each item reads its keys once
 _LIB: list = []  # [the loaded library or None], once per process
 _WHY: list[str] = []
 
@@ -76,7 +77,7 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
     f = dll.tailrl_paged_attention
-    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_int, ctypes.c_int]
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 10 + [ctypes.c_int, ctypes.c_int]
     f.restype = ctypes.c_int
     return dll
 
@@ -142,7 +143,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     rc = _LIB[0].tailrl_paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table.data_ptr(), slots.data_ptr(),
         None if mask is None else mask.data_ptr(), None if lens is None else lens.data_ptr(), out.data_ptr(),
-        B, Q, H, kvh, D, nblk, block, table.shape[1], K, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+        B, Q, H, kvh, D, nblk, block, table.shape[1], K, ITEM_TOKENS, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged_attention kernel failed (code {rc}: 1 bad shape, 2 out of memory)")
     return out

@@ -4,8 +4,8 @@
    verify, prefill; tailrl/model/paged_attention.py builds and calls this). The library route gathers each sequence's
    blocks into a dense copy of its keys and values, padded to the pass's longest sequence, then runs the CPU flash
    kernel on the copy: every key is read three times and written once. Here each item (a sequence, a K/V head and up
-   to QBLOCK of the sequence's query tokens, with the query heads that share the K/V head) reads its own blocks once,
-   through the block table.
+   to QBLOCK of the sequence's query tokens, the caller's ITEM_TOKENS, with the query heads that share the K/V head)
+   reads its own blocks once, through the block table.
 
    A row's result depends only on its query, the keys its mask row lets it see and their values: the work is the
    same sequence of float operations whatever else is in the pass (other sequences, other query rows, how many
@@ -44,7 +44,6 @@
 #define UNSEEN (-3.0e38f)
 #define LANES 8
 #define TILE 8 /* keys scored together; key j is lane j % 8 of its tile */
-#define QBLOCK 16 /* query tokens of one sequence an item takes at most (rows are independent: any split, the same bits) */
 #define EXP_FLOOR (-87.0f) /* exp below it is taken as 0 (e^-87 = 1.6e-38: nothing next to the row's top key's 1) */
 
 static const float ZERO_KEY[MAX_D] = {0.f}; /* what a padded or unseen key of a tile is scored against */
@@ -228,8 +227,9 @@ static void weighted_sum(const float* p, const float* const* v, int64_t d0, int6
 int tailrl_paged_attention(const void* q, const void* k_pool, const void* v_pool, const int64_t* table,
                            const int64_t* slots, const uint8_t* mask, const int64_t* lens, void* out, int64_t B,
                            int64_t Q, int64_t H, int64_t KVH, int64_t D, int64_t NBLK, int64_t BS, int64_t W,
-                           int64_t K, int bf16, int threads) {
-  if (D > MAX_D || D % LANES || H % KVH || (!mask && !lens)) return 1;
+                           int64_t K, int64_t QBLOCK, int bf16, int threads) {
+  /* QBLOCK: query tokens of one sequence an item takes at most (rows are independent: any split, the same bits) */
+  if (D > MAX_D || D % LANES || H % KVH || (!mask && !lens) || QBLOCK < 1) return 1;
   const int64_t G = H / KVH, QB = Q < QBLOCK ? Q : QBLOCK, NQB = (Q + QBLOCK - 1) / QBLOCK;
   const int64_t RB = G * QB, KP = (K + TILE - 1) / TILE * TILE; /* rows of an item at most; keys in whole tiles */
   const int64_t ES = bf16 ? 2 : 4, ROW = D * ES;                /* bytes of an element, of a cache row */
