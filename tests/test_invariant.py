@@ -201,31 +201,6 @@ def test_probe_finds_what_only_a_whole_pass_meets(smol_kernels, chunked_route, m
         assert verdict.failed == ["end to end: a token decoded alone differs from the same token in its prompt's prefill"]
 
 
-def test_probe_names_an_in_place_kernel_whose_rows_depend_on_the_pass(smol_kernels, monkeypatch):
-    """On a CPU the invariant passes' attention is our kernel read in place (make_step builds no chunk plan); its
-    rows' independence of the pass is by construction, and a build that broke it (here: a sequence's rows scaled by
-    1 + 2^-6 in passes of more than one 16-token item) must fail the probe, named."""
-    import tailrl.engine.probe as probe
-    from tailrl.model import paged_attention as pa
-
-    if not pa.available():
-        pytest.skip(f"our kernel is not built here: {pa._WHY}")
-    step = make_step([10, 300], [1, 40], [0, 1], invariant=True)
-    assert step.in_place and step.chunks is None and step.mask is None and step.lens.tolist() == [[10, 1], [300, 40]]
-    model, _ = smol_kernels
-    real = pa.paged_attention
-
-    def broken(q, *args, **kw):
-        o = real(q, *args, **kw)
-        return o * (1 + 2**-6) if q.shape[1] > 16 else o
-
-    monkeypatch.setattr(pa, "paged_attention", broken)
-    monkeypatch.setattr(probe, "_CACHE", {})
-    verdict = probe.probe_invariance(model)
-    assert not verdict.ok and "attention rows (our kernel, in place): a row decoded alone differs as a causal " \
-        "prefill's row beside another sequence" in verdict.summary(), verdict.summary()
-
-
 def test_invariant_decode_matches_the_plain_pass_in_fp32(smollm):
     """The row tiles and the chunked attention change nothing but rounding."""
     model, tok = smollm

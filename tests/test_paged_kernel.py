@@ -164,6 +164,34 @@ def test_a_row_has_the_same_bits_decoded_alone_in_a_prefill_and_under_a_tree_mas
 
 
 @needs_kernel
+def test_the_invariant_passes_run_it_and_the_probe_names_a_build_whose_rows_depend_on_the_pass(tmp_path_factory,
+                                                                                             monkeypatch):
+    """On a CPU the batch-invariant passes' attention is this kernel read in place (make_step builds no chunk plan,
+    causal rows come as lens); a row's independence of the pass is by construction, and a build that broke it (here:
+    a sequence's rows scaled by 1 + 2^-6 in passes of more than one 16-token item) must fail the start-up probe,
+    named, on a bf16 model."""
+    import tailrl.engine.probe as probe
+    from tailrl.model import make_step
+
+    step = make_step([10, 300], [1, 40], [0, 1], invariant=True)
+    assert step.in_place and step.chunks is None and step.mask is None and step.lens.tolist() == [[10, 1], [300, 40]]
+    model = tiny_model(tmp_path_factory, "llama", seed=4).to(torch.bfloat16)
+    monkeypatch.setattr(probe, "_CACHE", {})
+    assert "attention rows" not in probe.probe_invariance(model).summary()
+    real = pa.paged_attention
+
+    def broken(q, *args, **kw):
+        o = real(q, *args, **kw)
+        return o * (1 + 2**-6) if q.shape[1] > pa.ITEM_TOKENS else o
+
+    monkeypatch.setattr(pa, "paged_attention", broken)
+    monkeypatch.setattr(probe, "_CACHE", {})
+    verdict = probe.probe_invariance(model)
+    assert not verdict.ok and "attention rows (our kernel, in place): a row decoded alone differs as a causal " \
+        "prefill's row beside another sequence" in verdict.summary(), verdict.summary()
+
+
+@needs_kernel
 def test_the_engine_decodes_the_same_with_and_without_the_kernel(tmp_path_factory, monkeypatch):
     """Greedy decoding of a tiny model: the same tokens, and logprobs within the fp32 noise of a 2-layer model
     (1e-4 nats: two attention outputs' errors, each under the bound above, through the logits)."""
