@@ -1,7 +1,8 @@
 """Batch-invariant attention over each sequence's own keys, in fixed chunks at absolute offsets (split-KV with a
 fixed split, as the deterministic modes of SGLang and vLLM and Thinking Machines' batch-invariant kernels do), on
 library kernels: the invariant passes' route off a CPU, and on a CPU where our C kernel cannot be built (on a CPU
-they read the cache in place with it, model/paged_attention.py: 1.6x this route's decode step at 64 sequences).
+they read the cache in place with it, model/paged_attention.py: 1.3-2.2x this route's decode speed at 8-64
+sequences, benchmarks/RESULTS.md section 5).
 
 A row's attention must give the same bits whatever else shares its pass (other sequences, draft rows, a prefill of
 the whole prompt) and however long the cache is laid out. Library kernels choose their blocking, packing and
