@@ -62,7 +62,7 @@ def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(request, tiny
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=1.0, batch_invariant=True,
                                           spec=SpecConfig(mode="history", min_match=1, epsilon=0.3, allocate=allocate)))
     if allocate:  # rows priced by the prior, not by measured seconds: a loaded machine must not make it verify nothing
-        eng.speculator.selector.step_cost.coefficients = lambda B: None
+        eng.speculator._seconds_of_rows = lambda: None
     # the selector's own choice follows measured seconds: where bf16 is emulated (ONEDNN_MAX_CPU_ISA=AVX2) wide
     # passes cost so much that it chose plain decoding for every step. Its arms are taken in turn instead, plain
     # decoding among them, so every machine meets the same mix of plain and verify passes

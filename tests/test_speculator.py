@@ -108,28 +108,16 @@ def test_budgets_follow_predicted_remaining_length_in_the_engine(tiny):
     assert seen and all(b <= max(6 - n, 1) for n, b in seen if n < 6)
 
 
-def test_pass_cost_separates_rows_from_sequences_once_shapes_differ():
-    from tailrl.speculative.selector import PassCost
-
-    cost = PassCost()
-    for B in (1, 4, 16, 64):  # plain passes only: rows == sequences, the two terms cannot be told apart
-        cost.record(B, B, 0.02 + 0.0005 * B + 0.001 * B)
-    assert cost.predict(17, 1) is None
-    for B, rows in [(1, 9), (4, 36), (16, 80), (64, 320)]:
-        cost.record(rows, B, 0.02 + 0.0005 * rows + 0.001 * B)
-    assert cost.predict(17, 1) == pytest.approx(0.02 + 0.0005 * 17 + 0.001, rel=1e-6)
-    assert cost.predict(17, 16) == pytest.approx(0.02 + 0.0005 * 17 + 0.016, rel=1e-6)
-
-
 def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
     """A request whose adaptive depth fell to 2 after a rejection drafts the arm's full budget where the pass's
     extra rows cost little (one sequence on a CPU), and keeps the adaptive depth where they cost (a large batch)."""
     spec = SpecConfig(mode="ngram", budgets=(2, 8))
     sp = Speculator(spec)
-    for B, rows in [(1, 1), (1, 9), (4, 4), (4, 36), (64, 64), (64, 576)]:  # 25 ms a pass + 0.4 ms a row + 1 ms a seq
+    sel = sp.selector
+    for B, d in [(1, 0), (1, 8), (4, 0), (4, 8), (64, 0), (64, 8)]:  # 25 ms a pass + 0.2 ms a row + 1 ms a sequence
         for _ in range(3):
-            sp.selector.pass_cost.record(rows, B, 0.025 + 0.0004 * rows + 0.001 * B)
-    assert sp.selector.cheap_rows(1, 9) and not sp.selector.cheap_rows(64, 576)
+            sel.time.record(sel.geometry.shape([4] * B, [d] * B), 0.025 + 0.0002 * B * (1 + d) + 0.001 * B)
+    assert sel.free_depth([4]) == 8 and sel.free_depth([4] * 64) == 0
     seen = []
 
     class Spy(ModelFreeDrafter):

@@ -35,6 +35,18 @@ from .stats import Collector, Completions, GenerateStats, StepRecord, progress_b
 log = logging.getLogger(__name__)
 
 
+def weight_calls(model: CausalLM, in_calls: bool) -> list[tuple[int, float]]:
+    """(rows per call, share of the weights' elements) per product shape of the model's passes: the calls the probe
+    sized (model/chunked.py in_calls) where the passes run products in calls, else one call of any rows."""
+    sizes: dict[int, float] = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            rows = getattr(mod, "call_rows", 0) if in_calls else 0
+            sizes[rows] = sizes.get(rows, 0.0) + mod.weight.numel()
+    total = sum(sizes.values()) or 1.0
+    return [(rows, n / total) for rows, n in sorted(sizes.items())] or [(0, 1.0)]
+
+
 @dataclass
 class StepOutput:
     finished: list[Completion]
@@ -64,7 +76,8 @@ class Engine:
             block = ITEM_TOKENS if invariant_in_place(self.runner.device) else QUERY_BLOCK
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=block if self.runner.invariant else 0, key_chunk=CHUNK,
-                                  classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0)
+                                  classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0,
+                                  weight_calls=weight_calls(model, self.runner.invariant and self.runner.device.type == "cpu"))
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark,
                                    cfg.prefix_cache if cfg.prefix_cache != "auto" else self.runner.invariant)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(

@@ -24,8 +24,6 @@ def prefill_pass(runner: ModelRunner, speculator: Speculator | None, tokenizer, 
     lists = [(s.prompt_ids + s.output_ids[:-1])[s.kept:] for s in leaders]  # kept: a resumed request's held K/V
     logits, hidden = runner.prefill(lists, [s.slot for s in leaders], [s.kept for s in leaders])
     fwd = time.perf_counter() - t
-    if speculator is not None:
-        speculator.record_forward(sum(map(len, lists)), fwd)
     chunks = hidden.split([len(x) for x in lists]) if hidden is not None else [None] * len(groups)
     fresh, rows = [], []
     for i, (g, chunk) in enumerate(zip(groups, chunks)):

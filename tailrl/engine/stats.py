@@ -35,6 +35,10 @@ class StepRecord:
     verify_s: float = 0.0  # sampling, acceptance, KV compaction, bookkeeping
     total_s: float = 0.0
     plain_est_s: float = 0.0  # what plain decoding would have taken for the same tokens (selector's cost model)
+    pred_s: float = 0.0  # the step-time model's seconds for this pass as it ran (drafting included)
+    pred_tps: float = 0.0  # the chosen arm's predicted tokens / s when it was chosen (speculative/selector.py)
+    off_tps: float = 0.0  # plain decoding's predicted tokens / s then
+    probe: bool = False  # the step ran the arm not chosen, to keep measuring it (selector probes)
     kv_bytes: int = 0  # KV blocks in use after the step
     preempted: int = 0  # sequences preempted before the step's pass (to be recomputed)
     capture_s: float = 0.0  # CUDA-graph capture in this step (one-time per bucket; not in forward_s or total_s)
@@ -109,6 +113,8 @@ class GenerateStats:
     choices: dict[int, dict[str, int]] = field(default_factory=dict)  # batch-size bucket -> strategy -> steps
     by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
     plain_est_s: float = 0.0
+    pred_s: float = 0.0  # the step-time model's seconds for the decode steps as they ran
+    probe_steps: int = 0  # decode steps that ran the arm not chosen (selector probes)
     tail_size: int = 0  # decode tokens and seconds while at most this many sequences run (the long tail, tail.py)
     tail_tokens: int = 0
     tail_s: float = 0.0
@@ -137,6 +143,8 @@ class GenerateStats:
         self.forward_s += r.forward_s
         self.verify_s += r.verify_s
         self.plain_est_s += r.plain_est_s
+        self.pred_s += r.pred_s
+        self.probe_steps += r.probe
         self.batch_sizes[B] = self.batch_sizes.get(B, 0) + 1
         cell = self.by_bucket.setdefault(batch_bucket(B), [0, 0.0])
         cell[0] += r.emitted
@@ -214,9 +222,30 @@ class GenerateStats:
                "rollout/prefill_reused_share": self.prefill_reused / max(self.prefill_reused + self.prefill_tokens, 1),
                "rollout/peak_kv_gb": self.peak_kv_bytes / 2**30, "rollout/peak_running": self.peak_running}
         out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
+        out.update(self.selector_metrics())
         out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
         if self.capture_s:
             out["perf/cuda_graph_capture_s"] = self.capture_s
+        return out
+
+
+    def selector_metrics(self) -> dict[str, float]:
+        """What the selector bought and what it thought it would: decode tokens / s measured, as its step-time model
+        predicted the steps it ran, and as it estimates plain decoding over the same tokens; the share of decode
+        steps each arm ran, and of probes (speculative/selector.py)."""
+        if not self.decode_steps or not self.plain_est_s:
+            return {}
+        tokens = sum(cell[0] for cell in self.by_bucket.values())
+        arms: dict[str, int] = {}
+        for counts in self.choices.values():
+            for arm, n in counts.items():
+                arms[arm] = arms.get(arm, 0) + n
+        out = {"spec/decode_tokens_per_s": tokens / self.decode_s if self.decode_s else 0.0,
+               "spec/off_tokens_per_s_est": tokens / self.plain_est_s,
+               "spec/probe_share": self.probe_steps / self.decode_steps}
+        if self.pred_s:
+            out["spec/pred_tokens_per_s"] = tokens / self.pred_s
+        out.update({f"spec/arm_share/{arm}": n / self.decode_steps for arm, n in sorted(arms.items())})
         return out
 
 

@@ -18,8 +18,11 @@ how many children a node keeps does not depend on which children were drawn."""
 from __future__ import annotations
 
 from .budgets import block_end
-from .step_cost import ROW_PRIOR, StepCost  # noqa: F401 (StepCost: the allocator's cost, imported from here too)
+from collections.abc import Callable
+
 from .tree import DraftTree
+
+ROW_PRIOR = 0.3  # a draft row's price in sequence-steps before the step-time model has measured a step
 
 COND_EDGES = (0.3, 0.5, 0.7, 0.9)  # the drafter's own P(node | parent accepted): history's continuation frequency
 SUPPORT_EDGES = (2, 4, 8, 16)  # how many continuations that frequency counts
@@ -105,11 +108,11 @@ class AcceptanceModel:
 
 
 def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
-             cost: tuple[float, float, float] | None) -> list[DraftTree | None]:
-    """The trees cut to the nodes worth verifying. cost: (seconds per sequence, per draft row, per verify step) at
-    this batch (StepCost); None until measured, and then a row is priced at ROW_PRIOR of a sequence-step (a fifth to a
-    third at 16-64 sequences on this CPU, less on a GPU)."""
-    per_seq, per_row, per_verify = cost if cost is not None else (1.0, ROW_PRIOR, 0.0)
+             cost: Callable[[int], float] | None) -> list[DraftTree | None]:
+    """The trees cut to the nodes worth verifying. cost: draft rows -> the step's seconds verifying that many (the
+    step-time model, speculative/step_cost.py); None until measured, and then a row is priced at ROW_PRIOR of a
+    sequence-step."""
+    seconds = cost if cost is not None else (lambda rows: B + ROW_PRIOR * rows)
     fixed_rows, fixed_gain = 0, float(B)
     slots: list[tuple[float, int, int, int]] = []  # (-survival, depth, sequence, node)
     whole: set[int] = set()
@@ -126,9 +129,6 @@ def allocate(trees: list[DraftTree | None], model: AcceptanceModel, B: int,
         slots += [(-s, d, b, i) for i, (s, d) in enumerate(zip(surv, depths))]
     if not slots:
         return trees
-
-    def seconds(rows: int) -> float:
-        return per_seq * B + per_row * rows + (per_verify if rows else 0.0)
 
     slots.sort()  # best odds first; a node never before its parent (no better odds, and shallower)
     best_n, best, gain = 0, fixed_gain / seconds(fixed_rows), fixed_gain

@@ -23,7 +23,7 @@ from .budgets import LengthTracker, block_budget, block_end, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
 from .selector import OFF, Arm, Selector
-from .step_cost import attention_units
+from .step_cost import Geometry, Shape
 from .tree import DraftTree
 from .verify import Verdict
 from .watchdog import Watchdog
@@ -68,24 +68,27 @@ class Speculator:
         self.seqs: dict[int, SeqDraft] = {}  # seq_id -> its state, from start to release
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
-               classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0) -> None:
+               classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0,
+               weight_calls: list[tuple[int, float]] | None = None) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
         chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
         row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
         passes; 0: all at once): drafts are cut to whole blocks (block_budget), and so are the selector's budgets.
-        key_chunk: the keys it reads at a time (CHUNK in invariant passes): the selector prices a step's attention
-        in such chunks (step_cost.attention_units).
+        key_chunk: the keys it reads at a time (CHUNK on the chunked route; unused by the step-time model, which
+        prices keys one by one).
         classes, digits: token classes and single-digit tokens of the tokenizer (speculative/backoff.py number_classes,
         digit_values) for drafters that model text.
         row_tile: the verifier runs its matrix products on whole tiles of this many rows (ROW_TILE in invariant
-        passes; 0: none): the rows a step leaves free in its last tile verify more draft nodes (allocate.fill_tile)."""
+        passes; 0: none): the rows a step leaves free in its last tile verify more draft nodes (allocate.fill_tile).
+        weight_calls: (rows per product call, share of the weights' bytes) per product of the verifier's passes
+        (engine/runner.py weight_calls): the step-time model counts the weight streams a pass's rows cost."""
         self.vocab_size = kv.cfg.vocab_size
         self.row_block = row_block
         self.row_tile = row_tile
         budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
         if budgets != self.selector.budgets:  # before any step: nothing measured is lost
             self.selector = Selector(self.cfg, list(self.drafters), budgets=budgets)
-        self.selector.attend = (row_block, key_chunk)
+        self.selector.geometry = Geometry(row_block, weight_calls or [(0, 1.0)], row_tile)
         for d in self.drafters.values():
             d.chains = chains
             if classes is not None and hasattr(d, "classes"):
@@ -160,7 +163,7 @@ class Speculator:
         # the adaptive depth trims drafts where verify rows cost; in the tail a pass costs about a plain step up to
         # some depth, and down to that depth a rejection costs nothing, so no request drafts less
         B = len(running)
-        floor = max((d for d in self.selector.budgets if self.selector.cheap_rows(B, B * (1 + d))), default=0)
+        floor = self.selector.free_depth(self._contexts)
         depths = [max(min(max(self.seqs[s.seq_id].depth, floor), r), 0) for s, r in zip(running, rooms)]
         if self.row_block > 1:  # chains (an invariant verifier): nodes = depth, cut to whole query blocks
             budgets = depths = [block_budget(min(b, d), self.row_block) for b, d in zip(budgets, depths)]
@@ -184,7 +187,7 @@ class Speculator:
             wide, trees = trees, [t if t is None or len(t) <= b else t.subset(list(range(b))) if b else None
                                   for t, b in zip(trees, budgets)]
         if self.cfg.allocate:
-            trees = allocate(trees, self.odds, B, self.selector.step_cost.coefficients(B))
+            trees = allocate(trees, self.odds, B, self._seconds_of_rows())
         self._planned = [len(t) if t else 0 for t in trees]
         self._filled = 0
         if fill:
@@ -206,10 +209,17 @@ class Speculator:
                 out.append(None)
         return out
 
-    # ---- feedback -------------------------------------------------------------------------------------------
+    def _seconds_of_rows(self):
+        """rows -> the step-time model's seconds of this step verifying that many draft rows (None: not measured)."""
+        sel, contexts = self.selector, self._contexts
+        if sel.plain_step_s(contexts) is None:
+            return None
+        plain = sel.geometry.shape(contexts, [0] * len(contexts))
+        B, ctx = plain.seqs, plain.plain_keys * 1e3 / max(plain.seqs, 1)
+        return lambda rows: sel.time.seconds(Shape(B, rows, sel.geometry.passes(B + rows), plain.plain_passes,
+                                                   plain.keys, rows * (ctx + rows / B) / 1e3, plain.plain_keys))
 
-    def record_forward(self, tokens_in_pass: int, seconds: float) -> None:
-        self.selector.record_forward(tokens_in_pass, seconds)
+    # ---- feedback -------------------------------------------------------------------------------------------
 
     def observe(self, record, running: list, verdicts: list[Verdict]) -> list[tuple[str, int, int] | None]:
         """record: the decode step's StepRecord (its plain-decoding estimate is filled in here); verdicts: per
@@ -217,19 +227,23 @@ class Speculator:
         (drafter, draft nodes verified, of them emitted), or None where it had no draft: the engine counts them."""
         B = len(running)
         cfg = self.cfg
-        contexts = self._contexts if len(self._contexts) == B else None  # as planned (None: a step not planned)
+        contexts = self._contexts if len(self._contexts) == B else [x.cache_len for x in running]  # not planned
         trees = self._trees or [None] * B
         sel = self.selector
-        chunks = sel.chunks(contexts)
-        units = attention_units(contexts, [1 + len(t) if t else 1 for t in trees], *sel.attend) if contexts else 0.0
-        plain = sel.plain_step_s(B, chunks)
-        record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
         arm = self._arm
-        # the arm's own rows and drafts: the rows fill_tile added cost nothing the cost fits should learn (they
-        # were free in the pass's last tile), and the selector prices an arm's drafted rows (its accepted tokens
-        # count what the filled rows added: that is what the arm delivers)
-        sel.record(arm, B, record.tokens_in_pass - self._filled, record.forward_s, record.total_s, record.emitted,
-                   record.drafted - self._filled, record.draft_s, units, chunks)
+        shape = sel.geometry.shape(contexts, [len(t) if t else 0 for t in trees])
+        if arm == OFF:
+            record.plain_est_s = record.total_s
+        else:
+            plain = sel.plain_step_s(contexts)
+            record.plain_est_s = (record.emitted / B) * plain if plain else record.total_s
+        predicted = sel.time.seconds(shape)
+        record.pred_s = predicted + record.draft_s if predicted else 0.0
+        decision = sel.decision
+        if decision.arm == arm:
+            record.probe, record.pred_tps, record.off_tps = decision.probe, decision.predicted or 0.0, decision.off or 0.0
+        # the arm's rows and drafts as the pass ran them (fill_tile's among them): the arm is priced by what it runs
+        sel.record(arm, shape, record.total_s, record.emitted, record.drafted, record.draft_s)
         planned = self._planned if len(self._planned) == B else [len(t) if t else 0 for t in trees]
         if record.drafted - self._filled:  # the arm's own nodes: the filled ones are the less likely by design
             own = record.accepted if not self._filled else sum(min(len(v.accepted_nodes), n)

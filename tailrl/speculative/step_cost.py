@@ -1,114 +1,197 @@
-"""A decode step's seconds per batch-size bucket, fitted locally: what the selector predicts arms from and what the
-allocator prices draft rows with."""
+"""A decode step's seconds as measured on this engine and CPU (or GPU): what the selector prices every arm with,
+plain decoding included, and what the allocator prices a draft row with.
+
+A step is described by what its pass carries (`Shape`), in the terms that set a pass's time on a CPU:
+
+    seconds = a + b * B + k * K + w * (P - 1)                    (what every step pays: a plain step is only this)
+            + v * [drafts] + d * D + p * (P - P_plain) + q * A   (what verifying D draft rows adds)
+
+- B sequences; D draft rows (the pass has B + D rows);
+- K thousands of keys the attention reads: each sequence's cached and new keys, once per item of `row_block`
+  query rows (our kernel's ITEM_TOKENS = 16 in place; 0: all rows at once), so a draft within the item reads
+  nothing more;
+- P weight passes: the products' calls over the pass's rows. A batch-invariant pass runs every product in calls of
+  at most the probe's `call_rows` rows (engine/probe.py), and on a CPU each call streams the weights again, so a
+  draft row that opens a call costs a whole weight stream and one inside a call costs only its arithmetic;
+- A thousands of (draft row, key) pairs: the attention's arithmetic for the draft rows, which at long contexts is
+  what a deep draft costs most.
+
+The coefficients are fitted by least squares with forgetting (`decay` per step), per batch-size bucket, each
+bucket pulled towards the fit over all steps by a ridge worth `pool` steps (where a bucket has not measured a term,
+e.g. drafts at 64 sequences, it takes the pooled price), and the pooled fit pulled towards 0 for the draft terms by
+`prior` steps: a draft row not measured yet is assumed free, so the selector tries speculation before it prices it
+(optimism; its bounded probes then measure it, speculative/selector.py). No constant price of a row survives a
+bucket's own measurements."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-ROW_PRIOR = 0.3  # a draft row's cost in sequence-steps until the step cost is measured
+NF = 8  # features: 1, B, K, P - 1 | [drafts], D, P - P_plain, A
+PLAIN = slice(0, 4)
+NONNEG = (2, 3, 4, 5, 6, 7)  # prices that cannot be negative (noise may fit them so)
+SURPRISE = 0.25  # a step this far off its bucket's prediction discounts what the bucket measured before
 
 
 def batch_bucket(B: int) -> int:
     return max(B - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | 9-16 | ...
 
 
-def attention_units(contexts: list[int], q_lens: list[int], block: int, chunk: int) -> int:
-    """Key chunks a pass's attention reads: per sequence, its keys (cached + new) in chunks of `chunk`, read once per
-    block of `block` query rows (a batch-invariant pass, model/chunked.py: QUERY_BLOCK rows a kernel item), or once
-    for all its rows where block is 0 (a plain pass). At long contexts this, not the rows, is most of a CPU pass."""
-    out = 0
-    for ctx, q in zip(contexts, q_lens):
-        out += (-(-q // block) if block else 1) * -(-(ctx + q) // chunk)
-    return out
+@dataclass
+class Geometry:
+    """How the engine's passes lay out their work. row_block: query rows of one sequence an attention item takes
+    (0: all of them); weight_calls: (rows per product call, share of the weights' bytes) per product, rows 0 = any
+    number of rows in one call; tile: a product's rows are padded to whole tiles of this many (0: none)."""
+
+    row_block: int = 0
+    weight_calls: list[tuple[int, float]] = field(default_factory=lambda: [(0, 1.0)])
+    tile: int = 0
+
+    def passes(self, rows: int) -> float:
+        """Weight streams of a pass of `rows` rows: per product, its calls, weighted by its share of the bytes."""
+        if self.tile > 1:
+            rows = -(-rows // self.tile) * self.tile
+        return sum(share * (-(-rows // n) if n else 1) for n, share in self.weight_calls)
+
+    def shape(self, contexts: list[int], drafts: list[int]) -> Shape:
+        """The pass over sequences holding `contexts` keys before it, verifying drafts[i] draft rows each."""
+        B, D = len(contexts), sum(drafts)
+        keys = sum(self._items(1 + d) * (c + 1 + d) for c, d in zip(contexts, drafts))
+        pairs = sum(d * (c + d) for c, d in zip(contexts, drafts))
+        return Shape(B, D, self.passes(B + D) if B else 0.0, self.passes(B) if B else 0.0, keys / 1e3, pairs / 1e3,
+                     (sum(contexts) + B) / 1e3)
+
+    def uniform(self, contexts: list[int], depth: float) -> Shape:
+        """The pass where every sequence verifies `depth` draft rows (a fraction: the mean over them)."""
+        lo = int(depth)
+        frac = depth - lo
+        k = round(frac * len(contexts))
+        return self.shape(contexts, [lo + 1] * k + [lo] * (len(contexts) - k))
+
+    def _items(self, q: int) -> int:
+        return -(-q // self.row_block) if self.row_block else 1
 
 
-class StepCost:
-    """Seconds of a decode step (forward, sampling, acceptance; drafting aside) as
-        c * B + r * (rows - B) + v * [it verifies any draft row] + u * units,
-    fitted per batch-size bucket over the recent steps of that bucket (forgetting factor `decay` per step). Local,
-    because what a draft row costs relative to a sequence changes with the batch: in the tail a pass streams the
-    weights whatever its few rows, at 64 sequences a row costs a fifth of a sequence-step (benchmarks/verify_cost.py,
-    in git at 103a651), and one global line through both priced a row at 1.1 ms and a plain step of 2 at 57 ms where
-    they cost 0.4 and 25. The per-verify term keeps a verify step's fixed work (walking the drafts, compacting the
-    cache) off the rows.
-    `units` are the key chunks the pass's attention reads (attention_units): a sequence's cost grows with what it
-    holds (a plain step of 8 sequences over 900 tokens took 67 ms, over 100 tokens about 30), and in a
-    batch-invariant pass a draft that spills into a second query block reads every chunk again. Without it a bucket's
-    fit priced plain steps at the contexts its verify steps had seen, and the SD-off estimate of a 1,024-token
-    rollout came out 15-38% short.
+@dataclass(frozen=True)
+class Shape:
+    seqs: int
+    drafts: int
+    passes: float
+    plain_passes: float
+    keys: float
+    draft_keys: float
+    plain_keys: float  # K of the same sequences decoding without drafts
 
-    A ridge prior pulls r towards ROW_PRIOR of the bucket's cost per sequence and v towards 0, each worth
-    `prior_steps` steps, and each rollout's end halves what was measured: the fit learns a row's price only from steps
-    that verify rows, so without the prior a price that came out high stopped all verification in its bucket and was
-    never corrected (seed 1 of the default run, session 10). u's prior (towards 0) weighs a twentieth of that: rows
-    and chunks grow together in verify steps, and a stronger pull let the rows take the chunks' price (the plain step
-    at 1,000 tokens came out 26% short in tests/test_allocate.py's tail, 6% with this one). Where the chunks only
-    follow the batch (one context), the pull leaves their price in c, as before."""
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.seqs, self.keys, self.plain_passes - 1.0, float(self.drafts > 0), self.drafts,
+                         self.passes - self.plain_passes, self.draft_keys])
 
-    def __init__(self, decay: float = 0.98, prior_steps: float = 2.0):
-        self.decay, self.prior_steps = decay, prior_steps
-        self.fits: dict[int, list] = {}  # bucket -> [xx (4x4), xy (4), steps (decayed count)]
-        self._solved: dict[int, tuple[float, float, float, float] | None] = {}  # bucket -> coefficients
+    def plain(self) -> Shape:
+        """The same sequences decoding without drafts."""
+        return Shape(self.seqs, 0, self.plain_passes, self.plain_passes, self.plain_keys, 0.0, self.plain_keys)
 
-    def record(self, B: int, rows: int, seconds: float, units: float = 0.0) -> None:
-        x = np.array([float(B), float(rows - B), float(rows > B), float(units)])
-        fit = self.fits.setdefault(batch_bucket(B), [np.zeros((4, 4)), np.zeros(4), 0.0])
-        d = self.decay
-        fit[0] = d * fit[0] + np.outer(x, x)
-        fit[1] = d * fit[1] + seconds * x
-        fit[2] = d * fit[2] + 1.0
-        self._solved.pop(batch_bucket(B), None)
+
+class _Sums:
+    def __init__(self):
+        self.xx = np.zeros((NF, NF))
+        self.xy = np.zeros(NF)
+        self.n = 0.0
+
+    def add(self, x: np.ndarray, y: float, decay: float, weight: float = 1.0) -> None:
+        self.xx = decay * self.xx + weight * np.outer(x, x)
+        self.xy = decay * self.xy + weight * y * x
+        self.n = decay * self.n + weight
+
+    def halve(self) -> None:
+        self.xx *= 0.5
+        self.xy *= 0.5
+        self.n *= 0.5
+
+
+def _ridge_solve(xx: np.ndarray, xy: np.ndarray, lam: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin |X w - y|^2 + sum lam_j (w_j - target_j)^2, with the NONNEG prices kept >= 0 (a negative one is fixed
+    at 0 and the rest refitted: clamping afterwards would leave the others wrong)."""
+    a = xx + np.diag(lam)
+    b = xy + lam * target
+    free = list(range(NF))
+    while True:
+        w = np.zeros(NF)
+        w[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        negative = [j for j in free if j in NONNEG and w[j] < 0]
+        if not negative:
+            return w
+        free.remove(min(negative, key=lambda j: w[j]))
+
+
+class StepTime:
+    """The step-time model (see the module docstring): `record(shape, seconds)` after every decode step,
+    `seconds(shape)` for any shape at that batch size."""
+
+    def __init__(self, decay: float = 0.995, pool: float = 2.0, prior: float = 2.0):
+        self.decay, self.pool, self.prior = decay, pool, prior
+        self.all = _Sums()
+        self.buckets: dict[int, _Sums] = {}
+        self._w: dict[int | None, np.ndarray | None] = {}
+
+    def record(self, shape: Shape, seconds: float, weight: float = 1.0) -> None:
+        """A measured step, standing for `weight` steps of its kind (a probe stands for the steps since the last
+        one: the selector's probes are rare by design, and without it a bucket's many steps of the chosen arm
+        outvote what they measure). One that the bucket's fit misses by more than SURPRISE (its price moved:
+        another load on the machine, a fit from steps of other shapes) halves what was measured before it, so a
+        few such steps re-price it whatever it had learned."""
+        x = shape.features()
+        bucket = self.buckets.setdefault(batch_bucket(shape.seqs), _Sums())
+        before = self.seconds(shape) if bucket.n > 0 else None
+        if before is not None and abs(seconds - before) > SURPRISE * before:
+            bucket.halve()
+            self.all.halve()
+        self.all.add(x, seconds, self.decay, weight)
+        bucket.add(x, seconds, self.decay, weight)
+        self._w.clear()
 
     def end_rollout(self) -> None:
-        """What was measured counts half against the prior from here on (like the acceptance table): a price learned
-        in one rollout is re-tried in the next ones unless verified steps keep confirming it."""
-        for fit in self.fits.values():
-            fit[0] *= 0.5
-            fit[1] *= 0.5
-            fit[2] *= 0.5
-        self._solved.clear()
+        """What was measured counts half from here on: the weights, the contexts and the machine's load move."""
+        for s in [self.all, *self.buckets.values()]:
+            s.halve()
+        self._w.clear()
 
-    def coefficients(self, B: int) -> tuple[float, float, float] | None:
-        """(seconds per sequence, per draft row, per verify step) at this batch size; None before the bucket's
-        first step. The attention's share (`seconds`) is left out: what the allocator compares is rows."""
-        w = self._coef(B)
-        return None if w is None else w[:3]
+    def measured(self, B: int) -> bool:
+        """Whether steps of this batch size's bucket were measured (before: the pooled fit stands in)."""
+        s = self.buckets.get(batch_bucket(B))
+        return s is not None and s.n > 0.5
 
-    def seconds(self, B: int, rows: float, units: float = 0.0) -> float | None:
-        """Predicted seconds of a step of B sequences, `rows` rows in all, reading `units` key chunks; None before
-        the bucket's first step."""
-        w = self._coef(B)
-        if w is None:
-            return None
-        c, r, v, u = w
-        return c * B + r * (rows - B) + (v if rows > B else 0.0) + u * units
+    def seconds(self, shape: Shape) -> float | None:
+        """Predicted seconds of a step of this shape; None before any step was measured."""
+        w = self.coefficients(shape.seqs)
+        return None if w is None else max(float(w @ shape.features()), 1e-6)
 
-    def _coef(self, B: int) -> tuple[float, float, float, float] | None:
-        """Solved once per bucket between steps of it (the selector asks for every arm, every step)."""
+    def coefficients(self, B: int) -> np.ndarray | None:
         bucket = batch_bucket(B)
-        if bucket not in self._solved:
-            self._solved[bucket] = self._solve(self.fits.get(bucket))
-        return self._solved[bucket]
+        if bucket not in self._w:
+            self._w[bucket] = self._solve_bucket(bucket)
+        return self._w[bucket]
 
-    def _solve(self, fit: list | None) -> tuple[float, float, float, float] | None:
-        if fit is None or fit[0][0, 0] <= 0:
-            return None
-        xx, xy, steps = fit[0].copy(), fit[1].copy(), fit[2]
-        per_seq = xy[0] / xx[0, 0]  # as if every step were plain: the prior's scale
-        mean_b2 = xx[0, 0] / steps  # a step's B^2: the prior counts as prior_steps steps of B draft rows each
-        lam = self.prior_steps * mean_b2
-        xx[1, 1] += lam
-        xy[1] += lam * ROW_PRIOR * per_seq
-        xx[2, 2] += self.prior_steps
-        # u towards 0 at the scale of a step's units (1 where none were given: a zero column stays solvable)
-        xx[3, 3] += 0.05 * self.prior_steps * max(xx[3, 3] / steps, 1.0)
-        keep = [0, 1, 2, 3]
-        while True:  # a negative price is refitted at 0 (clamping it afterwards would leave the others wrong)
-            w = np.zeros(4)
-            w[keep] = np.linalg.solve(xx[np.ix_(keep, keep)], xy[keep])
-            negative = [j for j in keep[1:] if w[j] < 0]
-            if not negative:
-                break
-            keep.remove(negative[-1])
-        c, r, v, u = (float(x) for x in w)
-        return (c, max(r, 0.0), max(v, 0.0), max(u, 0.0)) if c > 0 else None
+    def _scale(self) -> np.ndarray:
+        """A feature's mean square over the recent steps (1 where it never varied): the ridge's units."""
+        n = max(self.all.n, 1e-9)
+        return np.maximum(np.diag(self.all.xx) / n, 1e-6)
+
+    def _pooled(self) -> np.ndarray | None:
+        if None not in self._w:
+            if self.all.n <= 0:
+                self._w[None] = None
+            else:
+                lam = self._scale() * 1e-3
+                lam[4:] = self._scale()[4:] * self.prior
+                self._w[None] = _ridge_solve(self.all.xx, self.all.xy, lam, np.zeros(NF))
+        return self._w[None]
+
+    def _solve_bucket(self, bucket: int) -> np.ndarray | None:
+        pooled = self._pooled()
+        s = self.buckets.get(bucket)
+        if pooled is None or s is None or s.n <= 0:
+            return pooled
+        return _ridge_solve(s.xx, s.xy, self._scale() * self.pool, pooled)
+

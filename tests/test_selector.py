@@ -1,0 +1,226 @@
+"""The selector against a fake clock: worlds whose step seconds and acceptance are known, so what the right arm is at
+each batch size is computed, not assumed, and the selector must find it from what it measures.
+
+A world prices a pass like a CPU does (a weight stream per product call of CALL rows, each row's arithmetic and
+sampling, the attention over each sequence's keys), with 3% multiplicative noise; a draft token is accepted with
+probability `accept` given its parent was (a chain). Fixed seeds; the tolerances are stated per test."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.selector import OFF, PROBE_MAX, Selector
+from tailrl.speculative.step_cost import Geometry, StepTime
+
+CALL, TILE, ITEM = 32, 16, 16
+BUDGETS = (1, 2, 4, 8, 15)
+
+
+@dataclass
+class World:
+    stream_s: float = 0.008  # one pass over the weights
+    fixed_s: float = 0.006  # a step's host work
+    row_s: float = 0.0002  # a row's arithmetic and sampling
+    seq_s: float = 0.0001
+    key_s: float = 2e-7  # a (row, key) pair of attention
+    accept: float = 0.7
+    noise: float = 0.03
+
+    def seconds(self, contexts: list[int], depth: int, rng: random.Random | None = None) -> float:
+        B = len(contexts)
+        rows = B * (1 + depth)
+        padded = -(-rows // TILE) * TILE
+        t = (self.fixed_s + self.seq_s * B + self.stream_s * -(-padded // CALL) + self.row_s * rows
+             + self.key_s * sum(c * (1 + depth) for c in contexts))
+        return t * (1 + rng.gauss(0, self.noise)) if rng else t
+
+    def accepted(self, depth: int) -> float:
+        return sum(self.accept**k for k in range(1, depth + 1))
+
+    def best(self, contexts: list[int]) -> tuple[int, dict[int, float]]:
+        """The right depth (0 = plain decoding) and every depth's tokens / s, exactly."""
+        B = len(contexts)
+        rates = {d: B * (1 + self.accepted(d)) / self.seconds(contexts, d) for d in (0, *BUDGETS)}
+        return max(rates, key=rates.get), rates
+
+
+def make_selector() -> Selector:
+    sel = Selector(SpecConfig(mode="auto", budgets=BUDGETS, epsilon=0.0), ["history"])
+    sel.geometry = Geometry(ITEM, [(CALL, 1.0)], TILE)
+    return sel
+
+
+def run(sel: Selector, world: World, B: int, steps: int, seed: int = 0, ctx: int = 200) -> list[tuple[int, float, float]]:
+    """Steps of B sequences at contexts that grow as they decode; per step (depth run, seconds, tokens emitted).
+    Shadow drafts measure the drafter on plain steps as the speculator's do (at most 32 sequences, 8 a step)."""
+    rng = random.Random(seed)
+    contexts = [ctx + 7 * i for i in range(B)]
+    out = []
+    for _ in range(steps):
+        arm = sel.choose(B, contexts)
+        d = arm.budget if arm != OFF else 0
+        t = world.seconds(contexts, d, rng)
+        chains = [next((k for k in range(d) if rng.random() >= world.accept), d) for _ in range(B)]
+        emitted = B + sum(chains)
+        sel.record(arm, sel.geometry.shape(contexts, [d] * B), t, emitted, B * d, 0.0)
+        if arm == OFF and B <= 32:
+            for _ in range(min(B, 8)):
+                sel.record_shadow("history", next((k for k in range(15) if rng.random() >= world.accept), 15), 15)
+        contexts = [c + 1 + k for c, k in zip(contexts, chains)]
+        out.append((d, t, emitted))
+    return out
+
+
+def rate(steps) -> float:
+    return sum(e for _, _, e in steps) / sum(t for _, t, _ in steps)
+
+
+def off_rate(world: World, B: int, steps: int, seed: int = 0, ctx: int = 200) -> float:
+    """Plain decoding's tokens / s over as many tokens (the same growth of contexts, one token a step)."""
+    rng = random.Random(seed)
+    contexts = [ctx + 7 * i for i in range(B)]
+    total = 0.0
+    for _ in range(steps):
+        total += world.seconds(contexts, 0, rng)
+        contexts = [c + 1 for c in contexts]
+    return B * steps / total
+
+
+def right_share(sel: Selector, world: World, B: int, steps, ctx: int = 200, tol: float = 0.03) -> float:
+    """Share of steps that ran a depth within `tol` of the best depth's tokens / s, at the contexts they ran at
+    (approximated by the start's: the test worlds' best depth does not change over a run)."""
+    _, rates = world.best([ctx + 7 * i for i in range(B)])
+    top = max(rates.values())
+    return sum(rates[d] >= (1 - tol) * top for d, _, _ in steps) / len(steps)
+
+
+EXPENSIVE = World(row_s=0.02, stream_s=0.02, accept=0.3)  # a draft row costs as much as a sequence's step
+TAIL_ONLY = World(accept=0.5, row_s=0.0008)  # drafts pay where a pass's rows fit in its weight streams
+
+
+def test_the_worlds_say_what_the_tests_claim():
+    """The premises, computed: drafts never pay in EXPENSIVE; in TAIL_ONLY they pay at 1-4 sequences and not at
+    32-64, and a price of a row that is one constant share of a sequence's step cannot tell the two apart."""
+    for B in (1, 4, 16, 64):
+        assert EXPENSIVE.best([200] * B)[0] == 0
+    assert [TAIL_ONLY.best([200] * B)[0] > 0 for B in (1, 2, 4, 32, 64)] == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("B", [64, 16, 4, 1])
+def test_where_drafts_never_pay_the_selector_converges_to_off_and_stays_there(B):
+    """After a bounded exploration (the untried drafter once, optimistic prices measured away in a few steps), at
+    most one step in PROBE_MAX speculates; over the whole run it is within 3% of plain decoding's tokens / s."""
+    sel = make_selector()
+    steps = run(sel, EXPENSIVE, B, 400)
+    spec_late = sum(d > 0 for d, _, _ in steps[100:])
+    assert spec_late <= 300 // PROBE_MAX + 2, spec_late
+    assert sum(d > 0 for d, _, _ in steps) <= 16
+    assert rate(steps) >= 0.97 * off_rate(EXPENSIVE, B, 400)
+
+
+def test_drafts_run_only_at_the_batch_sizes_where_they_pay():
+    """The same selector through a rollout's batch sizes, large to small (and again: a second rollout): at 1-4
+    sequences it speculates at a depth within 3% of the best, at 32-64 it decodes plainly, 90% of the steps after
+    the first 60 of each batch size."""
+    sel = make_selector()
+    for _ in range(2):
+        for B in (64, 32, 4, 2, 1):
+            steps = run(sel, TAIL_ONLY, B, 200, seed=B)
+            share = right_share(sel, TAIL_ONLY, B, steps[60:])
+            assert share >= 0.9, (B, share)
+        sel.end_rollout()
+
+
+class ConstantRowTime(StepTime):
+    """A selector that prices a draft row at a constant share of a sequence's plain step (today's ROW_PRIOR
+    approach): the tests above must fail for it."""
+
+    share = 0.3
+
+    def seconds(self, shape):
+        plain = super().seconds(shape.plain())
+        return None if plain is None else plain * (1 + self.share * shape.drafts / shape.seqs)
+
+
+def test_a_constant_price_of_a_draft_row_fails_these_tests():
+    sel = make_selector()
+    sel.time = ConstantRowTime()
+    shares = {}
+    for B in (64, 32, 4, 1):
+        steps = run(sel, TAIL_ONLY, B, 200, seed=B)
+        shares[B] = right_share(sel, TAIL_ONLY, B, steps[60:])
+    assert min(shares.values()) < 0.9, shares
+
+
+@pytest.mark.parametrize("factor", [3.0, 1 / 3.0])
+def test_a_price_learned_3x_wrong_either_way_is_measured_away(factor):
+    """The selector first learns a world whose draft rows and weight streams cost `factor` times the truth's (a
+    stale fit: another CPU's kernels, the machine's load, the policy before a sync), then meets the truth: within
+    150 steps of each batch size it runs the right arm 90% of the time."""
+    truth = TAIL_ONLY
+    stale = World(stream_s=truth.stream_s * factor, row_s=truth.row_s * factor, accept=truth.accept)
+    sel = make_selector()
+    for B in (64, 32, 4, 1):
+        run(sel, stale, B, 150, seed=B)
+    for B in (64, 32, 4, 1):
+        steps = run(sel, truth, B, 300, seed=100 + B)
+        share = right_share(sel, truth, B, steps[150:])
+        assert share >= 0.9, (factor, B, share)
+
+
+def test_plain_decodings_price_stays_measured_while_speculating():
+    """Where it speculates (1-4 sequences in TAIL_ONLY), what it says plain decoding would have cost (the SD-off
+    estimate behind spec/speedup_est) is within 10% of the world's plain step at the contexts reached."""
+    sel = make_selector()
+    for B in (4, 2, 1):
+        run(sel, TAIL_ONLY, B, 300, seed=B, ctx=600)
+        contexts = [600 + 7 * i + 300 * 3 for i in range(B)]
+        est, truth = sel.plain_step_s(contexts), TAIL_ONLY.seconds(contexts, 0)
+        assert est == pytest.approx(truth, rel=0.1), (B, est, truth)
+
+
+def test_the_step_time_model_separates_a_weight_stream_from_a_row():
+    """Fitted on noiseless steps of one bucket at depths 0, 1 and 7 (16, 32 and 128 rows at 16 sequences), it prices
+    a depth it never ran (3: 64 rows, two streams) within 5%."""
+    sel = make_selector()
+    world = World(noise=0.0)
+    contexts = [300 + i for i in range(16)]
+    for k in range(30):
+        d = (0, 1, 7)[k % 3]
+        sel.time.record(sel.geometry.shape(contexts, [d] * 16), world.seconds(contexts, d))
+    got = sel.time.seconds(sel.geometry.shape(contexts, [3] * 16))
+    assert got == pytest.approx(world.seconds(contexts, 3), rel=0.05)
+    assert np.isfinite(got)
+
+
+def test_the_step_time_model_prices_nothing_below_zero():
+    """Verify steps measured faster than plain ones (noise, a pause in a plain step) would fit a negative price for
+    a draft row: it is refitted at 0, so a draft is never priced cheaper than the plain step it extends."""
+    sel = make_selector()
+    contexts = [100] * 4
+    for _ in range(20):
+        for d, t in ((0, 0.010), (4, 0.009), (8, 0.006)):
+            sel.time.record(sel.geometry.shape(contexts, [d] * 4), t)
+    w = sel.time.coefficients(4)
+    assert (w[2:] >= 0).all()
+    plain, wide = sel.plain_step_s(contexts), sel.time.seconds(sel.geometry.shape(contexts, [8] * 4))
+    assert wide >= plain and 0.006 <= plain <= 0.010
+
+
+def test_the_plain_step_is_priced_at_the_context_it_runs_at():
+    """The tail of a long rollout: contexts grow from 300 to 1,000 tokens, most steps verify drafts of 2-15 tokens
+    and one in ten decodes plainly, and a step's cost grows with its keys. The plain step at 1,000 tokens (the SD-off
+    estimate) comes out within 10% of the world's."""
+    sel = make_selector()
+    world = World()
+    rng = random.Random(1)
+    for step in range(300):
+        contexts = [300 + 700 * step // 300] * 8
+        d = 0 if step % 10 == 0 else (3, 7, 15, 3, 2)[step % 5]
+        sel.time.record(sel.geometry.shape(contexts, [d] * 8), world.seconds(contexts, d, rng))
+    assert sel.plain_step_s([1000] * 8) == pytest.approx(world.seconds([1000] * 8, 0), rel=0.1)
