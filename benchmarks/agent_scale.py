@@ -3,7 +3,7 @@
 One rollout of `--task` prompts through the agent's turn loop (rl/agent/loop.py) with a calculator that sleeps
 `--tool-s` seconds first (a search API's or a sandbox's latency): on one engine in this process, split over
 `--workers` Ray actors (rl/agent/remote.py: each worker runs its prompts' trajectories to their end, so a trajectory
-stays on its worker across turns), and on vLLM (rl/rollout/vllm/turns.py: a request per turn, prefix cache). Our
+stays on its worker across turns), and on vLLM (rollout/vllm/turns.py: a request per turn, prefix cache). Our
 engine is batch-invariant, so one engine and the workers must draw the very same trajectories (checked); vLLM's
 kernels are its own, so its row reports its own trajectories' structure (calls, turns, masked share).
 
@@ -89,8 +89,8 @@ def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
 def on_vllm(a, folder, cfg, msgs, params, prompts):
     from transformers import AutoTokenizer
     from tailrl.rl.agent.loop import AgentLoop
-    from tailrl.rl.rollout.vllm.llm import make_llm
-    from tailrl.rl.rollout.vllm.turns import VllmTurns
+    from tailrl.rollout.vllm.llm import make_llm
+    from tailrl.rollout.vllm.turns import VllmTurns
 
     t0 = time.perf_counter()
     llm = make_llm(folder, "bfloat16", 0, 1024, max_num_seqs=64)
@@ -123,7 +123,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["TAILRL_BENCH_TOOL_S"] = str(a.tool_s)
     from tailrl.engine import EngineConfig
-    from tailrl.rl.rollout.vllm.llm import hf_folder
+    from tailrl.rollout.vllm.llm import hf_folder
     from tailrl.speculative.config import SpecConfig
 
     folder = str(hf_folder(a.model))

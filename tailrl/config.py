@@ -86,7 +86,7 @@ class RolloutCfg:
     # ngram | suffix (vLLM's own, refused if the audit fails) | off
     vllm_spec: str = "auto"
     vllm_spec_tokens: int = 8  # backend=vllm: draft tokens per step at most (num_speculative_tokens)
-    # partial rollouts (APRIL, arXiv 2509.18521; rl/partial.py), off-policy: a step launches partial_oversample x
+    # partial rollouts (APRIL, arXiv 2509.18521; rollout/partial.py), off-policy: a step launches partial_oversample x
     # the groups it needs, ends its rollout once trainer.prompts_per_step groups are complete, and carries the
     # unfinished responses into the next step, where they continue under the new weights. Every token keeps the
     # logprob and the policy version that drew it; the update weighs it by truncated importance sampling

@@ -53,7 +53,7 @@ def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["agent.tools=[calculator]", *combo.split()])
     load_config(None, combo.split())  # without tools the same setting is fine
-    if "vllm" in combo:  # vLLM itself runs the turn loop (rl/rollout/vllm/turns.py)
+    if "vllm" in combo:  # vLLM itself runs the turn loop (rollout/vllm/turns.py)
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
         load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",

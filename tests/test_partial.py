@@ -1,4 +1,4 @@
-"""Partial rollouts (rl/partial.py): a step ends its rollout once it has its groups and carries the unfinished
+"""Partial rollouts (rollout/partial.py): a step ends its rollout once it has its groups and carries the unfinished
 responses, which continue next step with their old tokens, logprobs and policy versions; the staleness bound
 restarts the oldest; the update weighs carried tokens by their recorded logprobs; a resumed run continues exactly."""
 
@@ -16,7 +16,7 @@ from tailrl.engine import SamplingParams
 from tailrl.engine.requests import SeqState
 from tailrl.engine.sequence import Completion
 from tailrl.rl.checkpoint.state_io import read_state, write_state
-from tailrl.rl.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
+from tailrl.rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import tiny_cfg

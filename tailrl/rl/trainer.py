@@ -30,10 +30,10 @@ from .dynamic import Gathered
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
-from .rollout.base import Rollout
-from .rollout.base import step_seed
-from .rollout.engine import make_rollout
-from .partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
+from ..rollout.base import Rollout
+from ..rollout.base import step_seed
+from ..rollout.engine import make_rollout
+from ..rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng

@@ -1,7 +1,7 @@
 """The agent's turn loop on Ray rollout workers (rollout.workers > 1): each worker runs the trajectories of the prompts
 placed on it to their end, tools and all, so a trajectory stays on its worker across turns (its history drafts, its
 kept K/V, its engine; on rollout.backend=vllm its actor's prefix cache: VllmActor.run hands the loop the actor's LLM
-behind the engine calls, rl/rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
+behind the engine calls, rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
 (prompt, sample) order and merges the metrics.
 
 On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers

@@ -182,7 +182,7 @@ def _check_partial(saved) -> None:
     """Partial rollouts' carried groups (absent or None: none): each response's tokens, logprobs and versions line up."""
     if saved is None:
         return
-    from ..partial import PartialBuffer
+    from ...rollout.partial import PartialBuffer
 
     buf = PartialBuffer(1, 0)
     try:

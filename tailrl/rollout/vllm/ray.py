@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from ....cluster.cost import StepCost
-from ....cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
+from ...cluster.cost import StepCost
+from ...cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
 
 
 def pinned_cpus(bind: str, index: int) -> set[int] | None:
@@ -106,7 +106,7 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     """rollout.workers VllmActors on Ray (local, or cluster.address), each started and answering."""
     import ray
 
-    from ....cluster.workers import start_ray
+    from ...cluster.workers import start_ray
 
     r = cfg.rollout
     start_ray(cfg.cluster.address)

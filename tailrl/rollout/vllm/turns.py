@@ -18,9 +18,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from ....engine.sampling import SamplingParams
-from ....engine.sequence import Completion
-from ....engine.stats import StepRecord
+from ...engine.sampling import SamplingParams
+from ...engine.sequence import Completion
+from ...engine.stats import StepRecord
 
 
 @dataclass
