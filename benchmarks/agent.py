@@ -24,10 +24,10 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.rl.agent.calculator import calculator
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.tools import make_tool
+from tailrl.agent.calculator import calculator
+from tailrl.agent.config import AgentConfig
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.tools import make_tool
 from tailrl.rl.tasks import make_rows
 from tailrl.speculative.config import SpecConfig
 

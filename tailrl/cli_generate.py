@@ -78,9 +78,9 @@ def engine_backend(args, model, tokenizer, sampling, config):
     header = (f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
               + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
 
-    if args.tools:  # the agent's turn loop on the engine, the tools beside it (rl/agent/loop.py)
-        from .rl.agent.config import AgentConfig
-        from .rl.agent.loop import AgentLoop
+    if args.tools:  # the agent's turn loop on the engine, the tools beside it (agent/loop.py)
+        from .agent.config import AgentConfig
+        from .agent.loop import AgentLoop
 
         if tokenizer is None or not getattr(tokenizer, "chat_template", None) or args.no_chat:
             raise ValueError("--tools needs chat prompts: a model with a chat template, without --no-chat")

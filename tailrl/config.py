@@ -16,7 +16,7 @@ from .config_values import ConfigError, override_value, parse_yaml  # noqa: F401
 from .drafter.config import DrafterConfig
 from .presets import preset_file, preset_names
 from .rl.actor.lora_config import ActorCfg
-from .rl.agent.config import AgentConfig, agent_problem
+from .agent.config import AgentConfig, agent_problem
 from .speculative.config import SpecConfig
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)

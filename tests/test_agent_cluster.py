@@ -1,4 +1,4 @@
-"""The agent's turn loop on rollout workers (rl/agent/remote.py): each worker runs its prompts' trajectories to their
+"""The agent's turn loop on rollout workers (agent/remote.py): each worker runs its prompts' trajectories to their
 end, and on the batch-invariant engine the split changes nothing: the very trajectories one engine draws."""
 
 import pytest
@@ -8,9 +8,9 @@ from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.remote import cluster_agent_rollout, split
+from tailrl.agent.config import AgentConfig
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.remote import cluster_agent_rollout, split
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
 from tests.test_agent_loop import WORDS

@@ -9,10 +9,10 @@ import torch
 
 from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.formats import HermesFormat, TagsFormat
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.tools import load_tools
+from tailrl.agent.config import AgentConfig
+from tailrl.agent.formats import HermesFormat, TagsFormat
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.tools import load_tools
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import TINY_WORDS, make_tiny_chat_model
 

@@ -44,8 +44,8 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
     over 16 trajectories of 40 tokens some turns end at a call (P(none) < 1e-4). Every model token's logprob is our
     model's log p of it given the trajectory so far (T = 1, no warping), within TOL; observation tokens are mask 0."""
     from tailrl.engine import SamplingParams
-    from tailrl.rl.agent.config import AgentConfig
-    from tailrl.rl.agent.loop import AgentLoop
+    from tailrl.agent.config import AgentConfig
+    from tailrl.agent.loop import AgentLoop
     from tailrl.rollout.vllm.turns import VllmTurns
     folder = chat_folder
     llm = make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=16)
@@ -64,7 +64,7 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
 
 def test_two_ray_actors_run_the_turn_loop_each_on_its_prompts(chat_folder):
     """agent.tools with rollout.backend=vllm and rollout.workers=2: each actor runs its prompts' trajectories to their
-    end (VllmActor.run, rl/agent/remote.py); they come back in (prompt, sample) order, from both actors, with tool
+    end (VllmActor.run, agent/remote.py); they come back in (prompt, sample) order, from both actors, with tool
     calls, masked observations and our model's logprobs of the model's tokens (a trajectory merged under the wrong
     prompt would not match)."""
     from types import SimpleNamespace

@@ -155,8 +155,8 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
         raise ValueError(str(e)) from e
     loop = None
-    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (rl/agent/loop.py)
-        from .agent.loop import AgentLoop
+    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (agent/loop.py)
+        from ..agent.loop import AgentLoop
 
         loop = AgentLoop(cfg.agent, tokenizer)
     encode = loop.encode_prompt if loop is not None else engine.encode

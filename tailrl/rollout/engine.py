@@ -71,9 +71,9 @@ class EngineRollout:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
-        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives the engine
+        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives the engine
         if cfg.agent.enabled:
-            from ..rl.agent.loop import AgentLoop
+            from ..agent.loop import AgentLoop
 
             self.agent = AgentLoop(cfg.agent, tokenizer)
         self._metrics: dict = {}  # the last rollout's (metrics())
@@ -148,9 +148,9 @@ class EngineRollout:
         return comps
 
     def _cluster_agent_rollout(self, examples: list, params: list, weights=None):
-        """Multi-turn trajectories on the Ray workers (rl/agent/remote.py): this step's weights first (none for the
+        """Multi-turn trajectories on the Ray workers (agent/remote.py): this step's weights first (none for the
         eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
-        from ..rl.agent.remote import cluster_agent_rollout
+        from ..agent.remote import cluster_agent_rollout
         from ..rl.data import chat_prompt
 
         t = time.perf_counter()
@@ -163,7 +163,7 @@ class EngineRollout:
         return comps
 
     def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
-        """Multi-turn trajectories (rl/agent/loop.py): the turn loop drives the engine and runs the tools."""
+        """Multi-turn trajectories (agent/loop.py): the turn loop drives the engine and runs the tools."""
         from ..rl.data import chat_prompt
 
         n = sum(p.n for p in params)

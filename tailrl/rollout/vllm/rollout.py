@@ -75,12 +75,12 @@ class VllmRollout:
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
-        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives vLLM's engine (turns.py)
+        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives vLLM's engine (turns.py)
         if cfg.agent.enabled:
             if self.proposer:
                 raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
                                  "not built yet; set rollout.vllm_spec=off")
-            from ...rl.agent.loop import AgentLoop
+            from ...agent.loop import AgentLoop
 
             self.agent = AgentLoop(cfg.agent, tokenizer)
 
@@ -160,8 +160,8 @@ class VllmRollout:
                                  top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
                   for i in range(len(examples))]
         msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rl/agent/remote.py)
-            from ...rl.agent.remote import cluster_agent_rollout
+        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (agent/remote.py)
+            from ...agent.remote import cluster_agent_rollout
 
             comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,
                                                  params)

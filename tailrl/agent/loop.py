@@ -27,8 +27,8 @@ import logging
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
-from ...engine import Completion, Completions, GenerateStats, SamplingParams
-from ...engine.tail import tail_size
+from ..engine import Completion, Completions, GenerateStats, SamplingParams
+from ..engine.tail import tail_size
 from .config import AgentConfig
 from .formats import make_format
 from .pool import ToolPool

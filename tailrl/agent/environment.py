@@ -14,7 +14,7 @@ import inspect
 import math
 from typing import Protocol, runtime_checkable
 
-from tailrl.rl.agent.tools import Tool, import_object, make_tool
+from .tools import Tool, import_object, make_tool
 
 RESERVED = ("reset", "reward")
 

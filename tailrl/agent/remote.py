@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .config import AgentConfig
 
-FN = "tailrl.rl.agent.remote:worker_rollout"
+FN = "tailrl.agent.remote:worker_rollout"
 
 
 def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
@@ -34,7 +34,7 @@ def split(n: int, workers: int) -> list[list[int]]:
 
 def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, params: list):
     """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers."""
-    from ...engine.stats import Completions, GenerateStats
+    from ..engine.stats import Completions, GenerateStats
 
     parts = [p for p in split(len(prompts), cluster.num_workers) if p]
     args = {w: (cfg, [prompts[i] for i in idx], [msgs[i] for i in idx], [params[i] for i in idx])

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..user_code import import_user_module
+from ..rl.user_code import import_user_module
 
 BUILTIN_TOOLS = ("calculator", "python")
 
@@ -90,9 +90,9 @@ def make_tool(fn: Callable, name: str | None = None) -> Tool:
 
 def _builtin(spec: str) -> Callable:
     if spec == "calculator":
-        from tailrl.rl.agent.calculator import calculator
+        from .calculator import calculator
         return calculator
-    from tailrl.rl.agent.sandbox import python
+    from .sandbox import python
     return python
 
 
