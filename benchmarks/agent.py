@@ -25,7 +25,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.agent.calculator import calculator
-from tailrl.agent.config import AgentConfig
+from tailrl.config.agent import AgentConfig
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.tools import make_tool
 from tailrl.rl.tasks import make_rows

@@ -35,7 +35,7 @@ def calculator(expression: str) -> str:
 
 def setup(a):
     from tailrl.engine import SamplingParams
-    from tailrl.agent.config import AgentConfig
+    from tailrl.config.agent import AgentConfig
     from tailrl.rl.tasks import make_rows
 
     # the workers import the tool by name: this file's folder on every process's path

@@ -39,7 +39,7 @@ def main() -> None:
 
     from tailrl.model import load_model, resolve_model_path
     from tailrl.rl.actor.lora import add_adapters, merge_into
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.lora_io import save_adapter
     from tailrl.rollout.vllm.io import stream_weights
     from tailrl.rollout.vllm.llm import hf_folder

@@ -79,7 +79,7 @@ def engine_backend(args, model, tokenizer, sampling, config):
               + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
 
     if args.tools:  # the agent's turn loop on the engine, the tools beside it (agent/loop.py)
-        from .agent.config import AgentConfig
+        from .config.agent import AgentConfig
         from .agent.loop import AgentLoop
 
         if tokenizer is None or not getattr(tokenizer, "chat_template", None) or args.no_chat:

@@ -8,7 +8,7 @@ from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.agent.config import AgentConfig
+from tailrl.config.agent import AgentConfig
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.remote import cluster_agent_rollout, split
 from tailrl.speculative.config import SpecConfig

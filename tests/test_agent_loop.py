@@ -9,7 +9,7 @@ import torch
 
 from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.agent.config import AgentConfig
+from tailrl.config.agent import AgentConfig
 from tailrl.agent.formats import HermesFormat, TagsFormat
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.tools import load_tools

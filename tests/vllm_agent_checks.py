@@ -44,7 +44,7 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
     over 16 trajectories of 40 tokens some turns end at a call (P(none) < 1e-4). Every model token's logprob is our
     model's log p of it given the trajectory so far (T = 1, no warping), within TOL; observation tokens are mask 0."""
     from tailrl.engine import SamplingParams
-    from tailrl.agent.config import AgentConfig
+    from tailrl.config.agent import AgentConfig
     from tailrl.agent.loop import AgentLoop
     from tailrl.rollout.vllm.turns import VllmTurns
     folder = chat_folder

@@ -91,7 +91,7 @@ def test_merged_lora_weights_reach_vllm(plain, folder):
     import copy
 
     from tailrl.rl.actor.lora import add_adapters, merge_into
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
 
     base, _ = load_model(folder, device="cpu", dtype=torch.float32)
     engine = copy.deepcopy(base)

@@ -29,7 +29,7 @@ from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
 from ..engine import Completion, Completions, GenerateStats, SamplingParams
 from ..engine.tail import tail_size
-from .config import AgentConfig
+from ..config.agent import AgentConfig
 from .formats import make_format
 from .pool import ToolPool
 from .tools import load_tools

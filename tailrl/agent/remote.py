@@ -9,7 +9,7 @@ gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
 
 from __future__ import annotations
 
-from .config import AgentConfig
+from ..config.agent import AgentConfig
 
 FN = "tailrl.agent.remote:worker_rollout"
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .lora import add_adapters, merged_state, peft_config
-from .lora_config import LoraCfg
+from ...config.actor import LoraCfg
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

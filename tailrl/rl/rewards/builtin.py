@@ -169,7 +169,7 @@ def load_function(spec: str):
     """`module:function`; the module is looked up on sys.path and then in the current directory (as TRL
     users expect). Errors name the function and what went wrong (missing module, syntax error, ...)."""
     if ":" not in spec:
-        from ...config_help import choice_hint
+        from ...config.help import choice_hint
 
         raise ValueError(f"reward function {spec!r}: {choice_hint(spec, list(BUILTIN))} or give 'module:function'")
     module, name = spec.split(":", 1)

@@ -9,15 +9,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import config_keys
-from .cluster.config import ClusterConfig
-from .config_help import choice_problem, did_you_mean, or_list
-from .config_values import ConfigError, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
-from .drafter.config import DrafterConfig
-from .presets import preset_file, preset_names
-from .rl.actor.lora_config import ActorCfg
-from .agent.config import AgentConfig, agent_problem
-from .speculative.config import SpecConfig
+from ..cluster.config import ClusterConfig
+from ..drafter.config import DrafterConfig
+from ..presets import preset_file, preset_names
+from ..speculative.config import SpecConfig
+from . import keys as config_keys
+from .actor import ActorCfg
+from .agent import AgentConfig, agent_problem
+from .help import choice_problem, did_you_mean, or_list
+from .values import ConfigError, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
 
@@ -263,7 +263,7 @@ class Config:
         problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
         if why := next((p for p in problems if p), None):
             raise ConfigError(why)
-        from .engine import SamplingParams
+        from ..engine import SamplingParams
         try:
             SamplingParams(n=self.rollout.n, max_tokens=self.rollout.max_tokens, temperature=self.rollout.temperature,
                            top_p=self.rollout.top_p, top_k=self.rollout.top_k)
