@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..rl.user_code import import_user_module
+from ..user_code import import_user_module
 
 BUILTIN_TOOLS = ("calculator", "python")
 

@@ -11,7 +11,7 @@ import operator
 import re
 from collections import Counter
 
-from ..user_code import import_user_module
+from ...user_code import import_user_module
 from .verl import verl_reward
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
