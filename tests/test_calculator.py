@@ -3,7 +3,7 @@
 import pytest
 
 from tailrl.agent.calculator import calculator
-from tailrl.agent.tools import ToolError
+from tailrl.agent.tool import ToolError
 
 
 @pytest.mark.parametrize("expr,expected", [

@@ -14,7 +14,7 @@ import inspect
 import math
 from typing import Protocol, runtime_checkable
 
-from .tools import Tool, import_object, make_tool
+from .tool import Tool, import_object, make_tool
 
 RESERVED = ("reset", "reward")
 

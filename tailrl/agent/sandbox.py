@@ -28,7 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from .sandbox_boot import SOURCE
-from .tools import ToolTimeout
+from .tool import ToolTimeout
 
 NOBODY = 65534
 
@@ -214,7 +214,7 @@ def python(code: str) -> str:
 
 def make_python_tool(limits: SandboxLimits):
     """The `python` tool with other limits (same name, schema and docstring)."""
-    from .tools import make_tool
+    from .tool import make_tool
 
     def python(code: str) -> str:
         return _python(code, limits)
