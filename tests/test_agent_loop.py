@@ -12,7 +12,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.config.agent import AgentConfig
 from tailrl.agent.formats import HermesFormat, TagsFormat
 from tailrl.agent.loop import AgentLoop
-from tailrl.agent.tool import load_tools
+from tailrl.agent.toolbox import load_tools
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import TINY_WORDS, make_tiny_chat_model
 

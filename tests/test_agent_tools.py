@@ -12,7 +12,8 @@ import pytest
 from tailrl.agent.calculator import calculator
 from tailrl.agent.environment import env_reset, env_reward, env_tools, load_environment
 from tailrl.agent.pool import ToolCall, ToolPool, truncate
-from tailrl.agent.tool import Tool, ToolError, load_tools, make_tool
+from tailrl.agent.tool import Tool, ToolError, make_tool
+from tailrl.agent.toolbox import load_tools
 
 
 def lookup(key: str, limit: int = 3, tags: list[str] | None = None) -> str:

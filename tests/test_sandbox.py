@@ -11,7 +11,7 @@ import pytest
 
 from tailrl.agent.pool import ToolCall, ToolPool
 from tailrl.agent.sandbox import SandboxLimits, describe, make_python_tool, python, run_sandboxed
-from tailrl.agent.tool import load_tools
+from tailrl.agent.toolbox import load_tools
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=2, max_processes=8)
 FALLBACK = SandboxLimits(wall_s=3.0, cpu_s=2, max_processes=8, namespaces=False)  # rlimits only, as without userns

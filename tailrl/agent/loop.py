@@ -32,7 +32,7 @@ from ..engine.tail import tail_size
 from ..config.agent import AgentConfig
 from .formats import make_format
 from .pool import ToolPool
-from .tool import load_tools
+from .toolbox import load_tools
 from .trajectory import ChatDelta, Trajectory, drift, turn_seed
 
 log = logging.getLogger(__name__)

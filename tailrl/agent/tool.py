@@ -1,4 +1,6 @@
-"""Tools: plain Python functions the model may call, each with a JSON schema from its type hints and docstring.
+"""The tool interface: plain Python functions the model may call, each with a JSON schema from its type hints and
+docstring (`Tool`, `make_tool`), and the errors a tool raises for the model to read. The built-ins and loading by
+name sit above it, in toolbox.py.
 
 A tool is the field's interface (TRL `tools=`, verl `@function_tool`): a sync or async function with type hints on
 every parameter and a Google-style docstring that describes each one; `transformers.utils.get_json_schema` turns it
@@ -8,15 +10,9 @@ function fails when it is loaded (with its name and what is missing), never in t
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Callable
-
-from ..user_code import import_user_module
-
-BUILTIN_TOOLS = ("calculator", "python")
 
 
 class ToolError(Exception):
@@ -86,73 +82,3 @@ def make_tool(fn: Callable, name: str | None = None) -> Tool:
     schema["function"]["name"] = name
     target = fn.__func__ if inspect.ismethod(fn) else fn
     return Tool(name=name, fn=fn, schema=schema, is_async=inspect.iscoroutinefunction(target))
-
-
-def _builtin(spec: str) -> Callable:
-    if spec == "calculator":
-        from .calculator import calculator
-        return calculator
-    from .sandbox import python
-    return python
-
-
-def import_object(spec: str, what: str = "tool"):
-    """The object named by `module:attr` (attr may be dotted) or `path/to/file.py:attr`; ValueError naming `spec`.
-
-    A module that does not import from `sys.path` is tried once more from the current directory, so
-    `agent.tools=[mymodule:lookup]` finds `./mymodule.py` whether tailrl was started as `python -m` or as a script.
-    """
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ValueError(f"{what} spec {spec!r} is not of the form module:name")
-    if mod_name.endswith(".py"):
-        if not os.path.isfile(mod_name):
-            raise ValueError(f"{what} spec {spec!r}: file {mod_name!r} does not exist")
-        modspec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
-        module = importlib.util.module_from_spec(modspec)
-        try:
-            modspec.loader.exec_module(module)
-        except Exception as e:
-            raise ValueError(f"{what} spec {spec!r}: {mod_name} fails to import: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = import_user_module(mod_name)
-        except Exception as e:
-            raise ValueError(f"{what} spec {spec!r}: module {mod_name!r} does not import: "
-                             f"{type(e).__name__}: {e}") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} spec {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-
-def load_tools(specs: list[str]) -> dict[str, Tool]:
-    """Tools by name from specs: "calculator" and "python" are built in, anything else is "module:function".
-
-    ValueError naming the spec for a module that does not import, a missing attribute, an object that is not
-    callable, a function without hints or docstring, and two tools with one name.
-    """
-    tools: dict[str, Tool] = {}
-    for spec in specs:
-        if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"tool spec {spec!r} is not a non-empty string")
-        spec = spec.strip()
-        if spec in BUILTIN_TOOLS:
-            tool = make_tool(_builtin(spec), name=spec)
-        elif ":" in spec:
-            obj = import_object(spec)
-            if isinstance(obj, Tool):
-                tool = obj
-            elif not callable(obj) or inspect.isclass(obj):
-                raise ValueError(f"tool spec {spec!r} names a {type(obj).__name__}, not a function")
-            else:
-                tool = make_tool(obj)
-        else:
-            raise ValueError(f"unknown tool {spec!r}: use one of {', '.join(BUILTIN_TOOLS)} or module:function")
-        if tool.name in tools:
-            raise ValueError(f"tool spec {spec!r}: a tool named {tool.name!r} is already loaded")
-        tools[tool.name] = tool
-    return tools
