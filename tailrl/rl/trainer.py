@@ -302,8 +302,8 @@ class Trainer:
         root = self.out / "checkpoints"
         r = self.rollout
         opt = self.actor.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
-        got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(), opt, r.drafter_trainer, r.head,
-                                                               self.actor.tied),
+        got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(dcp=c.sharded is not None), opt,
+                                                               r.drafter_trainer, r.head, self.actor.tied),
                               self.cfg.trainer.trust_pickled_state)
         if got is None:
             print(f"no checkpoint in {root}: starting fresh")

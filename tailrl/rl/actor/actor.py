@@ -170,12 +170,14 @@ class Actor:
         """For the trainer state of a one-process checkpoint."""
         return self.optimizer.state_dict() if self.keeps_optimizer(final) else None
 
-    def shapes(self) -> dict:
-        """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it."""
-        if self.lora:  # PEFT's names (a DTensor shard's shape is the whole tensor's)
-            from .lora_io import adapter_state
+    def shapes(self, dcp: bool = False) -> dict:
+        """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it, named
+        as a checkpoint saves them: LoRA's adapters by PEFT's names, or by the module's in dcp/ (dcp=True)."""
+        if self.lora:  # a DTensor shard's shape is the whole tensor's
+            from .lora_io import adapter_state, module_names
 
-            return {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
+            shapes = {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
+            return module_names(shapes) if dcp else shapes
         return {n: tuple(t.shape) for n, t in self.policy.state_dict().items()}
 
     @property

@@ -209,8 +209,11 @@ class ActorGroup:
         dtype, adapted_only = rollout.dtype, bool(self.cfg.actor.lora.rank) and not rollout.streams_policy
         return rollout.load_weights((n, t) for layer in self.layers(dtype, adapted_only) for n, t in layer.items())
 
-    def shapes(self) -> dict:
-        return self._shapes
+    def shapes(self, dcp: bool = False) -> dict:
+        """Actor.shapes's, from rank 0."""
+        from .lora_io import module_names
+
+        return module_names(self._shapes) if dcp else self._shapes
 
     def non_finite(self) -> list[str]:
         self.what = "the checkpoint"

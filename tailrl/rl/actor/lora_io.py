@@ -43,6 +43,11 @@ def param_name(key: str) -> str:
     return key.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
 
 
+def module_names(shapes: dict) -> dict:
+    """{name: shape} with PEFT-named adapter tensors under the model's parameter names (as dcp/ saves them)."""
+    return {param_name(n) if n.startswith(PREFIX) else n: s for n, s in shapes.items()}
+
+
 def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor], where: str = "the adapter") -> None:
     """PEFT-named tensors into the model's adapters (every one required, shapes checked)."""
     live = adapter_state(model)
