@@ -28,7 +28,7 @@ from tailrl.agent.calculator import calculator
 from tailrl.config.agent import AgentConfig
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.tool import make_tool
-from tailrl.rl.tasks import make_rows
+from tailrl.tasks import make_rows
 from tailrl.speculative.config import SpecConfig
 
 try:

@@ -36,7 +36,7 @@ def calculator(expression: str) -> str:
 def setup(a):
     from tailrl.engine import SamplingParams
     from tailrl.config.agent import AgentConfig
-    from tailrl.rl.tasks import make_rows
+    from tailrl.tasks import make_rows
 
     # the workers import the tool by name: this file's folder on every process's path
     here = os.path.dirname(os.path.abspath(__file__))

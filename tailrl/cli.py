@@ -74,7 +74,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from .rl.tasks import make_rows, write_rows
+    from .tasks import make_rows, write_rows
 
     try:
         rows = make_rows(args.task, args.n, args.seed, args.levels)

@@ -207,7 +207,7 @@ def test_reward_functions_get_the_conversation_only_if_they_take_it():
 
 
 def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
-    from tailrl.rl.tasks import split_rows
+    from tailrl.tasks import split_rows
 
     train, evals = split_rows("tool_arithmetic", 16, 8)
     assert not {r["question"] for r in train} & {r["question"] for r in evals}
@@ -226,7 +226,7 @@ def test_tool_chain_rows_show_chained_calls_and_need_each_result_in_the_next():
     instruction's numbers (two or three calculations)."""
     import re
 
-    from tailrl.rl.tasks import split_rows
+    from tailrl.tasks import split_rows
 
     train, evals = split_rows("tool_chain", 32, 8)
     assert not {r["question"] for r in train} & {r["question"] for r in evals} and {r["level"] for r in train} == {1, 2}

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tasks import split_rows
+from ..tasks import split_rows
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ def chat_prompt(prompt, system_prompt: str = "") -> list[dict]:
 def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
     """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload, what `tailrl audit`
     and the vLLM gate's audit (rollout/vllm/audit.py) sample."""
-    from .tasks import make_rows
+    from ..tasks import make_rows
 
     return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]
 

@@ -26,7 +26,7 @@ from .actor.lora_io import is_adapter, load_any
 from .checkpoint.store import candidates
 from .data import fit_prompts, load_datasets, peek_rows, read_table, to_examples
 from .rewards.builtin import accuracy_name, extract_answer
-from .tasks import TASKS
+from ..tasks import TASKS
 from .rewards.verl import adopt_verl
 
 log = logging.getLogger(__name__)
