@@ -26,7 +26,7 @@ from tailrl.model import load_model
 
 def arithmetic_prompts(n: int) -> list:
     from tailrl.config import Config
-    from tailrl.rl.data import chat_prompt
+    from tailrl.tasks import chat_prompt
     from tailrl.tasks import make_rows
 
     system = Config().data.system_prompt

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .rl.data import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
+from .tasks import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
 
 def engine_sampler(engine):
     """A speculative/audit.py Sampler drawing from one of our engines (with the logprobs it reports)."""

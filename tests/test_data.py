@@ -3,7 +3,8 @@ import json
 import pytest
 
 from tailrl.config import DataCfg
-from tailrl.rl.data import Loader, chat_prompt, load_datasets
+from tailrl.rl.data import Loader, load_datasets
+from tailrl.tasks import chat_prompt
 
 
 def test_jsonl_and_parquet_rows_with_extra_columns(tmp_path):

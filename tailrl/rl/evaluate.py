@@ -167,7 +167,7 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     if loop is None:
         comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
     else:
-        from .data import chat_prompt
+        from ..tasks import chat_prompt
 
         try:
             msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]

@@ -151,7 +151,7 @@ class EngineRollout:
         """Multi-turn trajectories on the Ray workers (agent/remote.py): this step's weights first (none for the
         eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
         from ..agent.remote import cluster_agent_rollout
-        from ..rl.data import chat_prompt
+        from ..tasks import chat_prompt
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
@@ -164,7 +164,7 @@ class EngineRollout:
 
     def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
         """Multi-turn trajectories (agent/loop.py): the turn loop drives the engine and runs the tools."""
-        from ..rl.data import chat_prompt
+        from ..tasks import chat_prompt
 
         n = sum(p.n for p in params)
         if self.spot is not None and step is not None:

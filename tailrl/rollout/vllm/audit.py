@@ -108,7 +108,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if prompts is None:
         from transformers import AutoTokenizer
 
-        from ...rl.data import audit_prompts
+        from ...tasks import audit_prompts
 
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)

@@ -151,7 +151,7 @@ class VllmRollout:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
         from ...engine.sampling import SamplingParams
-        from ...rl.data import chat_prompt
+        from ...tasks import chat_prompt
         from ..base import step_seed
         from .turns import VllmTurns
 
