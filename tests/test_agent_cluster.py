@@ -12,8 +12,7 @@ from tailrl.config.agent import AgentConfig
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.remote import cluster_agent_rollout, split
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import make_tiny_chat_model
-from tests.test_agent_loop import WORDS
+from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
 
 def test_prompts_split_round_robin_and_cover_every_prompt():
@@ -22,7 +21,7 @@ def test_prompts_split_round_robin_and_cover_every_prompt():
 
 @pytest.mark.slow  # two in-process workers' engines and tool rollouts: ~40 s on 2 loaded cores
 def test_two_workers_draw_the_trajectories_one_engine_draws(tmp_path):
-    folder = str(make_tiny_chat_model(tmp_path / "toolchat", seed=3, words=WORDS))
+    folder = str(make_tiny_chat_model(tmp_path / "toolchat", seed=3, words=TOOL_WORDS))
     engine_cfg = EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0, spec=SpecConfig(mode="ngram", min_match=1))
     cfg = AgentConfig(tools=["calculator"], max_turns=3)
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]

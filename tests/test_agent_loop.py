@@ -14,15 +14,13 @@ from tailrl.agent.formats import HermesFormat, TagsFormat
 from tailrl.agent.loop import AgentLoop
 from tailrl.agent.toolbox import load_tools
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import TINY_WORDS, make_tiny_chat_model
-
-WORDS = TINY_WORDS + ["<calc>", "</calc>", "<lookup>", "</lookup>", "<|system|>", "<result>", "</result>"]
+from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
 def tool_chat_folder(tmp_path_factory):
     """A tiny chat model whose vocabulary has the tags: its random draws write calls, good and malformed."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=WORDS))
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=TOOL_WORDS))
 
 
 @pytest.fixture(scope="module")

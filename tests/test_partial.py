@@ -19,11 +19,9 @@ from tailrl.rl.checkpoint.state_io import read_state, write_state
 from tailrl.rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tests.rl_helpers import tiny_cfg
+from tests.rl_helpers import check_rounds, tiny_cfg
 
-from .cluster_fakes import fake_rollout
-from .test_dynamic import check_rounds
-from .test_cluster_rollout import CPU, PARAMS, PROMPTS, spec
+from .cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
 
 PARTIAL = ("rollout.partial=true", "rollout.max_tokens=48", "rollout.n=4", "algo.mini_batch_size=8")
 # runs compared token for token: fp32 (bf16 batch invariance is established for SmolLM2's shapes, engine/invariant.py;

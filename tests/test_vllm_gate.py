@@ -104,7 +104,7 @@ def peaked(tmp_path_factory):
 def gate(monkeypatch, tmp_path, peaked, lossy: bool):
     """The gate's audit answered by our engine's audit on the peaked model (tests/test_audit.py), made lossy (it
     emits rejected drafts) or not: a verdict reached by the audit itself, not written by hand."""
-    from tests.test_audit import engine_audit, lossy_decide
+    from tests.helpers import engine_audit, lossy_decide
 
     import tailrl.engine.passes as passes
 
