@@ -24,11 +24,11 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.rl.agent.calculator import calculator
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.tools import make_tool
-from tailrl.rl.tasks import make_rows
+from tailrl.agent.calculator import calculator
+from tailrl.config.agent import AgentConfig
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.tool import make_tool
+from tailrl.tasks import make_rows
 from tailrl.speculative.config import SpecConfig
 
 try:
@@ -57,13 +57,13 @@ def bench_tools(task: str) -> dict:
 
 
 def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns, task, llm=None, keep_kv=True):
-    """llm: a vllm.LLM to roll out on (rl/rollout/vllm/turns.py) instead of our engine. keep_kv: our engine keeps a
+    """llm: a vllm.LLM to roll out on (rollout/vllm/turns.py) instead of our engine. keep_kv: our engine keeps a
     trajectory's K/V while its tool runs (agent.keep_kv), or re-prefills all its ids every turn."""
     tools = bench_tools(task)
     loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64, keep_kv=keep_kv),
                      tok, tools=tools)
     if llm is not None:
-        from tailrl.rl.rollout.vllm.turns import VllmTurns
+        from tailrl.rollout.vllm.turns import VllmTurns
 
         eng = VllmTurns(llm)
     else:
@@ -114,7 +114,7 @@ def main() -> None:
         runs[name] = rollout(model, tok, rows, a.n, a.max_tokens, spec, lock, a.epochs, a.max_turns, a.task,
                              keep_kv=keep)
     if a.vllm:
-        from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm
+        from tailrl.rollout.vllm.llm import hf_folder, make_llm
 
         llm = make_llm(hf_folder(a.model), "bfloat16", 0, 1024, max_num_seqs=64)
         for name, lock in (("vLLM overlapped", False), ("vLLM lock-step", True)):

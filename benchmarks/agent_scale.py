@@ -1,9 +1,9 @@
 """The same agent rollout on our engine, on 2 rollout workers (Ray actors) and on vLLM, side by side (issue 65).
 
-One rollout of `--task` prompts through the agent's turn loop (rl/agent/loop.py) with a calculator that sleeps
+One rollout of `--task` prompts through the agent's turn loop (agent/loop.py) with a calculator that sleeps
 `--tool-s` seconds first (a search API's or a sandbox's latency): on one engine in this process, split over
-`--workers` Ray actors (rl/agent/remote.py: each worker runs its prompts' trajectories to their end, so a trajectory
-stays on its worker across turns), and on vLLM (rl/rollout/vllm/turns.py: a request per turn, prefix cache). Our
+`--workers` Ray actors (agent/remote.py: each worker runs its prompts' trajectories to their end, so a trajectory
+stays on its worker across turns), and on vLLM (rollout/vllm/turns.py: a request per turn, prefix cache). Our
 engine is batch-invariant, so one engine and the workers must draw the very same trajectories (checked); vLLM's
 kernels are its own, so its row reports its own trajectories' structure (calls, turns, masked share).
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tailrl.rl.agent.calculator import calculator as _calculate
+from tailrl.agent.calculator import calculator as _calculate
 
 
 def calculator(expression: str) -> str:
@@ -35,8 +35,8 @@ def calculator(expression: str) -> str:
 
 def setup(a):
     from tailrl.engine import SamplingParams
-    from tailrl.rl.agent.config import AgentConfig
-    from tailrl.rl.tasks import make_rows
+    from tailrl.config.agent import AgentConfig
+    from tailrl.tasks import make_rows
 
     # the workers import the tool by name: this file's folder on every process's path
     here = os.path.dirname(os.path.abspath(__file__))
@@ -52,7 +52,7 @@ def setup(a):
 def on_engine(a, folder, cfg, msgs, params, engine_cfg):
     from tailrl.engine import Engine
     from tailrl.model import load_model
-    from tailrl.rl.agent.loop import AgentLoop
+    from tailrl.agent.loop import AgentLoop
 
     model, tok = load_model(folder, device="cpu", dtype=torch.bfloat16)
     loop = AgentLoop(cfg, tok)
@@ -70,7 +70,7 @@ def on_engine(a, folder, cfg, msgs, params, engine_cfg):
 def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
     from tailrl.cluster.rollout import ClusterRollout
     from tailrl.cluster.workers import WorkerSpec
-    from tailrl.rl.agent.remote import cluster_agent_rollout
+    from tailrl.agent.remote import cluster_agent_rollout
 
     t0 = time.perf_counter()
     cluster = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg, dtype="bfloat16", threads=a.worker_threads),
@@ -88,9 +88,9 @@ def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
 
 def on_vllm(a, folder, cfg, msgs, params, prompts):
     from transformers import AutoTokenizer
-    from tailrl.rl.agent.loop import AgentLoop
-    from tailrl.rl.rollout.vllm.llm import make_llm
-    from tailrl.rl.rollout.vllm.turns import VllmTurns
+    from tailrl.agent.loop import AgentLoop
+    from tailrl.rollout.vllm.llm import make_llm
+    from tailrl.rollout.vllm.turns import VllmTurns
 
     t0 = time.perf_counter()
     llm = make_llm(folder, "bfloat16", 0, 1024, max_num_seqs=64)
@@ -123,7 +123,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["TAILRL_BENCH_TOOL_S"] = str(a.tool_s)
     from tailrl.engine import EngineConfig
-    from tailrl.rl.rollout.vllm.llm import hf_folder
+    from tailrl.rollout.vllm.llm import hf_folder
     from tailrl.speculative.config import SpecConfig
 
     folder = str(hf_folder(a.model))

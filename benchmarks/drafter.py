@@ -29,8 +29,8 @@ from tailrl.drafter.offline import train_offline  # noqa: E402
 from tailrl.drafter.propose import LearnedDrafter  # noqa: E402
 from tailrl.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tailrl.model import load_model  # noqa: E402
-from tailrl.rl.data import chat_prompt  # noqa: E402
-from tailrl.rl.tasks import make_rows  # noqa: E402
+from tailrl.tasks import chat_prompt  # noqa: E402
+from tailrl.tasks import make_rows  # noqa: E402
 from tailrl.rl.trainer import Trainer  # noqa: E402
 from tailrl.speculative.config import SpecConfig  # noqa: E402
 

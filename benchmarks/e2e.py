@@ -74,7 +74,8 @@ def _trl_seconds_per_step(steps: int, seed: int, bf16: bool, extra: list[str], p
 
     from tailrl.config import load_config
     from tailrl.model import load_model, save_pretrained
-    from tailrl.rl.data import chat_prompt, load_datasets
+    from tailrl.rl.data import load_datasets
+    from tailrl.tasks import chat_prompt
     from tailrl.rl.rewards.builtin import BUILTIN, reward_weights
 
     cfg = load_config(None, extra, preset)

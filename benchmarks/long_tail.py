@@ -26,8 +26,8 @@ from tailrl.model import load_model
 
 def arithmetic_prompts(n: int) -> list:
     from tailrl.config import Config
-    from tailrl.rl.data import chat_prompt
-    from tailrl.rl.tasks import make_rows
+    from tailrl.tasks import chat_prompt
+    from tailrl.tasks import make_rows
 
     system = Config().data.system_prompt
     return [chat_prompt(r["prompt"], system) for r in make_rows("arithmetic", n, seed=0)]

@@ -117,7 +117,7 @@ def run_one(name: str, rank: int, prompts: int, n: int, resp: tuple, micro: int,
     from tailrl.config import AlgoCfg
     from tailrl.rl.actor.forward import make_batch
     from tailrl.rl.actor.lora import add_adapters
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.precision import Precision, make_adamw
     from tailrl.rl.actor.update import policy_update
 
@@ -164,7 +164,7 @@ def run_rank(name: str, rank: int, world: int, r: int, store: str, prompts: int,
     from tailrl.rl.actor.forward import make_batch
     from tailrl.rl.actor.fsdp import apply_fsdp_lora, local_bytes
     from tailrl.rl.actor.lora import add_adapters
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.precision import Precision, make_adamw
     from tailrl.rl.actor.ranks import Ranks
     from tailrl.rl.actor.update import policy_update
@@ -230,7 +230,7 @@ def pair(name: str, rank: int, repeats: int) -> None:
     from tailrl.config import AlgoCfg
     from tailrl.rl.actor.forward import make_batch
     from tailrl.rl.actor.lora import add_adapters
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.precision import Precision, make_adamw
     from tailrl.rl.actor.update import policy_update
 

@@ -39,10 +39,10 @@ def main() -> None:
 
     from tailrl.model import load_model, resolve_model_path
     from tailrl.rl.actor.lora import add_adapters, merge_into
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.lora_io import save_adapter
-    from tailrl.rl.rollout.vllm.io import stream_weights
-    from tailrl.rl.rollout.vllm.llm import hf_folder
+    from tailrl.rollout.vllm.io import stream_weights
+    from tailrl.rollout.vllm.llm import hf_folder
 
     folder = hf_folder(a.model)
     base, _ = load_model(a.model, device="cpu", dtype=torch.bfloat16)

@@ -23,8 +23,8 @@ from tailrl.drafter.eagle import choose_vocab  # noqa: E402
 from tailrl.drafter.offline import collect  # noqa: E402
 from tailrl.drafter.train import DrafterTrainer, SpotTrainer  # noqa: E402
 from tailrl.model import load_model  # noqa: E402
-from tailrl.rl.data import chat_prompt  # noqa: E402
-from tailrl.rl.tasks import make_rows  # noqa: E402
+from tailrl.tasks import chat_prompt  # noqa: E402
+from tailrl.tasks import make_rows  # noqa: E402
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ def main() -> None:
     from tailrl.engine.requests import encode
     from tailrl.engine.score import model_scorer
     from tailrl.model import load_model
-    from tailrl.rl.rollout.vllm.audit import cache_path, llm_sampler, model_context, spec_dict
-    from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm, vllm_version
+    from tailrl.rollout.vllm.audit import cache_path, llm_sampler, model_context, spec_dict
+    from tailrl.rollout.vllm.llm import hf_folder, make_llm, vllm_version
     from tailrl.speculative.audit import AuditConfig, context_needed, draw, judge, score_arm, tol_for
 
     if args.tiny:

@@ -36,9 +36,9 @@ def main() -> None:
     import torch
 
     from tailrl.model import load_model
-    from tailrl.rl.rollout.vllm.audit import model_context, spec_dict
-    from tailrl.rl.rollout.vllm.llm import make_llm, vllm_version
-    from tailrl.rl.rollout.vllm.rollout import draw
+    from tailrl.rollout.vllm.audit import model_context, spec_dict
+    from tailrl.rollout.vllm.llm import make_llm, vllm_version
+    from tailrl.rollout.vllm.rollout import draw
     from tailrl.speculative.audit import context_needed
     from tests.vllm_checks import PROMPTS, make_folder, our_logprobs
 

@@ -46,8 +46,8 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tailrl.rl.rollout.vllm.audit import spec_dict
-    from tailrl.rl.rollout.vllm.llm import hf_folder, make_llm
+    from tailrl.rollout.vllm.audit import spec_dict
+    from tailrl.rollout.vllm.llm import hf_folder, make_llm
 
     spec = None
     if args.spec != "none":

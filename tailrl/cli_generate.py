@@ -78,9 +78,9 @@ def engine_backend(args, model, tokenizer, sampling, config):
     header = (f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
               + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
 
-    if args.tools:  # the agent's turn loop on the engine, the tools beside it (rl/agent/loop.py)
-        from .rl.agent.config import AgentConfig
-        from .rl.agent.loop import AgentLoop
+    if args.tools:  # the agent's turn loop on the engine, the tools beside it (agent/loop.py)
+        from .config.agent import AgentConfig
+        from .agent.loop import AgentLoop
 
         if tokenizer is None or not getattr(tokenizer, "chat_template", None) or args.no_chat:
             raise ValueError("--tools needs chat prompts: a model with a chat template, without --no-chat")
@@ -102,14 +102,14 @@ def engine_backend(args, model, tokenizer, sampling, config):
 
 
 def vllm_backend(args, model, tokenizer, sampling):
-    """The same on vLLM, plus close(): rl/rollout/vllm/rollout.py VllmRollout (the rollout role's, behind the same
+    """The same on vLLM, plus close(): rollout/vllm/rollout.py VllmRollout (the rollout role's, behind the same
     losslessness gate: --spec is rollout.vllm_spec), built on the first call with room for the longest prompt, its
     header line printed then. A prompt that does not encode, or leaves no room in the model's context, fails alone
     (an error completion per sample)."""
     from .config import load_config
     from .engine.requests import check_prompt
     from .engine.sequence import Completion
-    from .rl.rollout.vllm.rollout import VllmRollout
+    from .rollout.vllm.rollout import VllmRollout
 
     if args.drafter:
         raise ValueError("--backend vllm does not run the learned drafter (--drafter)")

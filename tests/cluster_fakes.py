@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tailrl.cluster.workers import WorkerParts
+from tailrl.cluster.cost import StepCost
+from tailrl.cluster.workers import WorkerParts, WorkerSpec
+from tailrl.engine import SamplingParams
 from tailrl.engine.stats import StepRecord
 
 
@@ -194,3 +196,13 @@ def fake_rollout(prompts, params, max_num_seqs: int = 4) -> dict:
         for c in eng.step().finished:
             out[c.seq_id] = (c.token_ids, c.logprobs, c.finish_reason)
     return [out[i] for i in ids]
+
+
+# prompt[0] bounds the response length: a few long groups among short ones
+PROMPTS = [[40, 1, 2], [3, 5], [6, 7, 8], [60, 9], [4, 4, 4], [5, 1], [30, 2, 2], [2, 3]]
+PARAMS = [SamplingParams(n=4, max_tokens=48, seed=100 * i) for i in range(len(PROMPTS))]
+CPU = StepCost(base_s=0.03, per_token_s=0.0035)  # compute-bound decode: moving tail sequences pays
+
+
+def spec(**options):
+    return WorkerSpec(factory="tests.cluster_fakes:build_fake", options={"max_num_seqs": 4, **options})

@@ -96,6 +96,8 @@ def tiny_ckpt(request, tmp_path_factory):
 
 TINY_WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>", "a", "b", "c", "d", "e",
               "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "=", "####", "?"]
+# the tiny chat model of the tool tests: its words and the tags the calls and results use
+TOOL_WORDS = TINY_WORDS + ["<calc>", "</calc>", "<lookup>", "</lookup>", "<|system|>", "<result>", "</result>"]
 
 
 def make_tiny_chat_model(folder, seed: int = 0, words=TINY_WORDS):

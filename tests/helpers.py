@@ -9,7 +9,9 @@ import torch
 
 from tailrl.drafter.buffer import DraftBuffer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.engine.blocks import BLOCK
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
+from tailrl.speculative.audit import AuditConfig, audit
 from tailrl.speculative.noise import gumbel, row_keys
 
 CHATS = [
@@ -99,3 +101,35 @@ class StubSpot:
     def pause(self, wait: bool = True, timeout: float | None = None) -> bool:
         self.running = False
         return True
+
+
+def cache_gb(blocks: int, model) -> float:
+    """kv_cache_gb for a cache of `blocks` blocks of the model's fp32 K/V (and half a block to spare)."""
+    c = model.config
+    return (blocks + 1.5) * BLOCK * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 / 2**30
+
+
+def lossy_decide(real):
+    """An SD bug: where the target's draw rejects the draft, the first draft token is emitted anyway."""
+    from tailrl.speculative.verify import Verdict
+
+    def decide(logits, seqs, trees, q_lens, depths):
+        out = real(logits, seqs, trees, q_lens, depths)
+        return [Verdict([], [trees[b].tokens[0]], v.logprobs[:1]) if trees and trees[b] is not None
+                and not v.accepted_nodes else v for b, v in enumerate(out)]
+    return decide
+
+
+AUDIT_PROMPTS = [[1, 3, 3 + i, 0, 3] for i in range(4)]  # tests/test_audit.py's (and the vLLM gate's) audit
+AUDIT_CFG = AuditConfig(temperatures=(1.0,), max_tokens=16)
+
+
+def engine_audit(model):
+    """Our engine without and with prompt-lookup drafts (uncoupled: drafts are the prompt's continuations, not
+    the target's draws, so a lossy acceptance shows), 4 prompts x 64 responses per arm at T = 1, every token of
+    the SD arm scored by the model."""
+    from tailrl.cli_audit import tailrl_arms
+    from tailrl.engine.score import model_scorer
+
+    off, on, _ = tailrl_arms(model, None, "ngram", seed=0, coupled=False)
+    return audit(off, on, AUDIT_PROMPTS, AUDIT_CFG, label="tailrl ngram", scorer=model_scorer(model))

@@ -46,3 +46,13 @@ def small_cfg(tiny_chat, task_file, out, *extra):
     """A cheaper step (2 prompts x 4 samples of 6 tokens) for tests about what happens around a step."""
     return tiny_cfg(tiny_chat, task_file, out, "rollout.n=4", "trainer.prompts_per_step=2", "rollout.max_tokens=6",
                     "algo.mini_batch_size=8", *extra)
+
+
+def check_rounds(r: dict, want: int, max_rounds: int) -> None:
+    """What dynamic sampling guarantees of a step on every CPU, whatever its draws: the update holds at most `want`
+    informative groups, and fewer only when the rounds ran out, which the step reports (rollout/round_limit)."""
+    kept, limit = r["rollout/informative_groups"], r["rollout/round_limit"]
+    assert 0 <= kept <= want and 1 <= r["rollout/gen_rounds"] <= max_rounds, r
+    assert limit == float(kept < want), r
+    assert not limit or r["rollout/gen_rounds"] == max_rounds, r
+    assert ("actor/pg_loss" in r) == (kept > 0), r  # the update trains on the groups found, and on none without one

@@ -1,4 +1,4 @@
-"""The agent's turn loop on rollout workers (rl/agent/remote.py): each worker runs its prompts' trajectories to their
+"""The agent's turn loop on rollout workers (agent/remote.py): each worker runs its prompts' trajectories to their
 end, and on the batch-invariant engine the split changes nothing: the very trajectories one engine draws."""
 
 import pytest
@@ -8,12 +8,11 @@ from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.remote import cluster_agent_rollout, split
+from tailrl.config.agent import AgentConfig
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.remote import cluster_agent_rollout, split
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import make_tiny_chat_model
-from tests.test_agent_loop import WORDS
+from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
 
 def test_prompts_split_round_robin_and_cover_every_prompt():
@@ -22,7 +21,7 @@ def test_prompts_split_round_robin_and_cover_every_prompt():
 
 @pytest.mark.slow  # two in-process workers' engines and tool rollouts: ~40 s on 2 loaded cores
 def test_two_workers_draw_the_trajectories_one_engine_draws(tmp_path):
-    folder = str(make_tiny_chat_model(tmp_path / "toolchat", seed=3, words=WORDS))
+    folder = str(make_tiny_chat_model(tmp_path / "toolchat", seed=3, words=TOOL_WORDS))
     engine_cfg = EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0, spec=SpecConfig(mode="ngram", min_match=1))
     cfg = AgentConfig(tools=["calculator"], max_turns=3)
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]

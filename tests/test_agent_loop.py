@@ -9,20 +9,18 @@ import torch
 
 from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
-from tailrl.rl.agent.config import AgentConfig
-from tailrl.rl.agent.formats import HermesFormat, TagsFormat
-from tailrl.rl.agent.loop import AgentLoop
-from tailrl.rl.agent.tools import load_tools
+from tailrl.config.agent import AgentConfig
+from tailrl.agent.formats import HermesFormat, TagsFormat
+from tailrl.agent.loop import AgentLoop
+from tailrl.agent.toolbox import load_tools
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import TINY_WORDS, make_tiny_chat_model
-
-WORDS = TINY_WORDS + ["<calc>", "</calc>", "<lookup>", "</lookup>", "<|system|>", "<result>", "</result>"]
+from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
 def tool_chat_folder(tmp_path_factory):
     """A tiny chat model whose vocabulary has the tags: its random draws write calls, good and malformed."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=WORDS))
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=TOOL_WORDS))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +51,7 @@ def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["agent.tools=[calculator]", *combo.split()])
     load_config(None, combo.split())  # without tools the same setting is fine
-    if "vllm" in combo:  # vLLM itself runs the turn loop (rl/rollout/vllm/turns.py)
+    if "vllm" in combo:  # vLLM itself runs the turn loop (rollout/vllm/turns.py)
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
         load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
@@ -207,7 +205,7 @@ def test_reward_functions_get_the_conversation_only_if_they_take_it():
 
 
 def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():
-    from tailrl.rl.tasks import split_rows
+    from tailrl.tasks import split_rows
 
     train, evals = split_rows("tool_arithmetic", 16, 8)
     assert not {r["question"] for r in train} & {r["question"] for r in evals}
@@ -226,7 +224,7 @@ def test_tool_chain_rows_show_chained_calls_and_need_each_result_in_the_next():
     instruction's numbers (two or three calculations)."""
     import re
 
-    from tailrl.rl.tasks import split_rows
+    from tailrl.tasks import split_rows
 
     train, evals = split_rows("tool_chain", 32, 8)
     assert not {r["question"] for r in train} & {r["question"] for r in evals} and {r["level"] for r in train} == {1, 2}

@@ -1,4 +1,4 @@
-"""Tools layer of rl/agent: schemas from hints, loading by name, the tool pool, environments (the calculator:
+"""Tools layer of agent: schemas from hints, loading by name, the tool pool, environments (the calculator:
 test_calculator.py)."""
 
 import asyncio
@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from tailrl.rl.agent.calculator import calculator
-from tailrl.rl.agent.environment import env_reset, env_reward, env_tools, load_environment
-from tailrl.rl.agent.pool import ToolCall, ToolPool, truncate
-from tailrl.rl.agent.tools import Tool, ToolError, load_tools, make_tool
+from tailrl.agent.calculator import calculator
+from tailrl.agent.environment import env_reset, env_reward, env_tools, load_environment
+from tailrl.agent.pool import ToolCall, ToolPool, truncate
+from tailrl.agent.tool import Tool, ToolError, make_tool
+from tailrl.agent.toolbox import load_tools
 
 
 def lookup(key: str, limit: int = 3, tags: list[str] | None = None) -> str:

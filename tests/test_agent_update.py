@@ -88,7 +88,7 @@ def test_the_update_gradient_is_the_loss_over_model_tokens_only(tiny, kl):
 
 
 def test_strict_check_finds_no_drift_in_canonical_ids_and_names_the_position_of_drift(smollm):
-    from tailrl.rl.agent.trajectory import ChatDelta, Trajectory, drift
+    from tailrl.agent.trajectory import ChatDelta, Trajectory, drift
 
     _, tok = smollm
     msgs = [{"role": "user", "content": "What is 347 * 29?"}]

@@ -10,6 +10,7 @@ import torch
 
 from tailrl.speculative.audit import AuditConfig, AuditResult, Response, audit, compare, draw, judge, score_arm
 from tailrl.speculative.impossible import TargetScorer, check_tokens, log_floor
+from tests.helpers import AUDIT_CFG as CFG, AUDIT_PROMPTS as PROMPTS, engine_audit, lossy_decide
 
 
 def draws(rng, probs, n, length_p):
@@ -75,32 +76,6 @@ def peaked_model(tmp_path_factory):
     from tests.conftest import peaked_tiny_model
 
     return peaked_tiny_model(tmp_path_factory.mktemp("tiny_v8"), vocab=8, scale=6.0, dtype=torch.float32)
-
-
-def lossy_decide(real):
-    """An SD bug: where the target's draw rejects the draft, the first draft token is emitted anyway."""
-    from tailrl.speculative.verify import Verdict
-
-    def decide(logits, seqs, trees, q_lens, depths):
-        out = real(logits, seqs, trees, q_lens, depths)
-        return [Verdict([], [trees[b].tokens[0]], v.logprobs[:1]) if trees and trees[b] is not None
-                and not v.accepted_nodes else v for b, v in enumerate(out)]
-    return decide
-
-
-PROMPTS = [[1, 3, 3 + i, 0, 3] for i in range(4)]
-CFG = AuditConfig(temperatures=(1.0,), max_tokens=16)
-
-
-def engine_audit(model):
-    """Our engine without and with prompt-lookup drafts (uncoupled: drafts are the prompt's continuations, not
-    the target's draws, so a lossy acceptance shows), 4 prompts x 64 responses per arm at T = 1, every token of
-    the SD arm scored by the model."""
-    from tailrl.cli_audit import tailrl_arms
-    from tailrl.engine.score import model_scorer
-
-    off, on, _ = tailrl_arms(model, None, "ngram", seed=0, coupled=False)
-    return audit(off, on, PROMPTS, CFG, label="tailrl ngram", scorer=model_scorer(model))
 
 
 def test_our_engine_passes(peaked_model):

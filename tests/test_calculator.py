@@ -2,8 +2,8 @@
 
 import pytest
 
-from tailrl.rl.agent.calculator import calculator
-from tailrl.rl.agent.tools import ToolError
+from tailrl.agent.calculator import calculator
+from tailrl.agent.tool import ToolError
 
 
 @pytest.mark.parametrize("expr,expected", [

@@ -16,7 +16,7 @@ from tailrl.drafter.config import DrafterConfig
 from tailrl.drafter.eagle import EagleDrafter
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
-from tailrl.rl.rollout.ray_worker import head_state, merge_heads
+from tailrl.rollout.ray_worker import head_state, merge_heads
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
 
@@ -37,7 +37,7 @@ def test_idle_workers_train_the_drafter_and_the_rollout_stays_exact(tmp_path):
     head = EagleDrafter(model.config).bind(model)
     d = DrafterConfig(enabled=True, draft_vocab=0, batch_tokens=64, buffer_tokens=4096, spot_micro_tokens=0)
     ecfg = EngineConfig(kv_cache_gb=0.05, max_num_seqs=8, spec=SpecConfig(mode="learned"))
-    spec = WorkerSpec(model=folder, engine=ecfg, factory="tailrl.rl.rollout.ray_worker:build",
+    spec = WorkerSpec(model=folder, engine=ecfg, factory="tailrl.rollout.ray_worker:build",
                       options={"drafter": dataclasses.asdict(d), "seed": 0})
     # one long group on worker 0, short ones on worker 1: worker 1 goes idle first and trains
     prompts = ["1 + 2 =", "a b", "c d", "e"]

@@ -5,22 +5,11 @@ import pytest
 import torch
 
 from tailrl.cluster.config import ClusterConfig
-from tailrl.cluster.cost import StepCost
 from tailrl.cluster.reallocate import move
 from tailrl.cluster.rollout import ClusterRollout
-from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import SamplingParams
 
-from .cluster_fakes import fake_rollout
-
-# prompt[0] bounds the response length: a few long groups among short ones
-PROMPTS = [[40, 1, 2], [3, 5], [6, 7, 8], [60, 9], [4, 4, 4], [5, 1], [30, 2, 2], [2, 3]]
-PARAMS = [SamplingParams(n=4, max_tokens=48, seed=100 * i) for i in range(len(PROMPTS))]
-CPU = StepCost(base_s=0.03, per_token_s=0.0035)  # compute-bound decode: moving tail sequences pays
-
-
-def spec(**options):
-    return WorkerSpec(factory="tests.cluster_fakes:build_fake", options={"max_num_seqs": 4, **options})
+from .cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
 
 
 def as_tuples(comps):

@@ -61,7 +61,7 @@ def test_partial_rollouts_on_two_workers_match_one_worker(tmp_path_factory, tmp_
 
 
 def test_one_worker_never_imports_ray(tmp_path):
-    code = ("import sys; from tailrl.config import load_config; from tailrl.rl.rollout.ray_cluster import make_cluster; "
+    code = ("import sys; from tailrl.config import load_config; from tailrl.rollout.ray_cluster import make_cluster; "
             "from tailrl.rl import trainer; assert make_cluster(load_config(None, [])) is None; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(tmp_path.parent), timeout=120)

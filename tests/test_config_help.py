@@ -5,7 +5,7 @@ import pytest
 
 from tailrl.cli import main
 from tailrl.config import ConfigError, load_config, to_dict, valid_keys
-from tailrl.config_help import did_you_mean
+from tailrl.config.help import did_you_mean
 
 
 @pytest.mark.parametrize("typo, nearest", [

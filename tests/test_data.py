@@ -3,7 +3,8 @@ import json
 import pytest
 
 from tailrl.config import DataCfg
-from tailrl.rl.data import Loader, chat_prompt, load_datasets
+from tailrl.rl.data import Loader, load_datasets
+from tailrl.tasks import chat_prompt
 
 
 def test_jsonl_and_parquet_rows_with_extra_columns(tmp_path):
@@ -56,7 +57,7 @@ def test_builtin_eval_prompts_are_held_out_and_distinct(monkeypatch):
     easy_train, easy_evals = load_datasets(DataCfg(task="arithmetic", num_train=40, num_eval=20, levels=[1, 2]))
     assert {e.columns["level"] for e in easy_train + easy_evals} == {1, 2}
     assert not {e.prompt for e in easy_train} & {e.prompt for e in easy_evals}
-    from tailrl.rl import tasks
+    from tailrl import tasks
 
     monkeypatch.setitem(tasks.TASKS, "five", lambda rng: {"prompt": str(rng.randint(1, 5)), "answer": "0", "level": 1})
     assert len(load_datasets(DataCfg(task="five", num_train=3, num_eval=2))[0]) == 3
@@ -73,7 +74,7 @@ def test_a_train_file_too_small_to_hold_out_eval_says_so(tmp_path, caplog):
 
 
 def test_make_rows_keeps_the_asked_levels():
-    from tailrl.rl.tasks import make_rows
+    from tailrl.tasks import make_rows
 
     rows = make_rows("arithmetic", 50, seed=3, levels=[3])
     assert len(rows) == 50 and {r["level"] for r in rows} == {3}

@@ -99,8 +99,8 @@ def test_engine_captures_the_target_hidden_states(smollm):
 def test_training_raises_top1_accuracy_on_held_out_prompts(smollm):
     """Fixed target and seed: the head trained on 24 prompts predicts the target's next token better on 6
     prompts it never saw (accuracy is top-1 agreement with the target over the draft vocabulary)."""
-    from tailrl.rl.data import chat_prompt
-    from tailrl.rl.tasks import make_rows
+    from tailrl.tasks import chat_prompt
+    from tailrl.tasks import make_rows
 
     model, tok = smollm
     torch.manual_seed(0)

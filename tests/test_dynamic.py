@@ -13,7 +13,7 @@ from tailrl.rl.algos import group_advantages
 from tailrl.rl.dynamic import Gathered, informative, merge, merge_rollout
 from tailrl.rl.rewards.overlong import overlong_terms
 from tailrl.rl.run import train
-from tests.rl_helpers import tiny_cfg
+from tests.rl_helpers import check_rounds, tiny_cfg
 
 
 def comp(prompt: int, sample: int, n_tokens: int = 3) -> Completion:
@@ -103,16 +103,6 @@ def constant(prompts, completions, **_):
 
 def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def check_rounds(r: dict, want: int, max_rounds: int) -> None:
-    """What dynamic sampling guarantees of a step on every CPU, whatever its draws: the update holds at most `want`
-    informative groups, and fewer only when the rounds ran out, which the step reports (rollout/round_limit)."""
-    kept, limit = r["rollout/informative_groups"], r["rollout/round_limit"]
-    assert 0 <= kept <= want and 1 <= r["rollout/gen_rounds"] <= max_rounds, r
-    assert limit == float(kept < want), r
-    assert not limit or r["rollout/gen_rounds"] == max_rounds, r
-    assert ("actor/pg_loss" in r) == (kept > 0), r  # the update trains on the groups found, and on none without one
 
 
 # a shaped reward the accuracy verifier cannot judge: dynamic sampling filters on its total

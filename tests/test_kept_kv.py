@@ -8,7 +8,14 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.speculative.config import SpecConfig
-from tests.test_paged import _gb, tiny  # noqa: F401 - tiny: the same module fixture (llama, seed 11)
+from tests.conftest import tiny_model
+from tests.helpers import cache_gb
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # test_paged.py's model
+    return tiny_model(tmp_path_factory, "llama", seed=11)
+
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 STOPS = [20, 31, 42, 53, 64, 75]  # 6 of 96 words: a turn of 40 tokens stops early with probability ~0.92
@@ -16,7 +23,7 @@ EXTRA = [5, 6, 7, 8, 9, 10, 11]  # the "observation" a continuation appends afte
 
 
 def _engine(model, blocks=None, mode="off", invariant=True) -> Engine:
-    return Engine(model, None, EngineConfig(kv_cache_gb=_gb(blocks, model) if blocks else 0.05, seed=0,
+    return Engine(model, None, EngineConfig(kv_cache_gb=cache_gb(blocks, model) if blocks else 0.05, seed=0,
                                             spec=SpecConfig(mode=mode, min_match=1), batch_invariant=invariant))
 
 

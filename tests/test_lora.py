@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tailrl.rl.actor.lora import adapters_off, add_adapters, base_state, lora_layers, merge_into
-from tailrl.rl.actor.lora_config import LoraCfg
+from tailrl.config.actor import LoraCfg
 from tailrl.rl.actor.lora_io import load_any, save_adapter
 from tests.rl_helpers import tiny_cfg
 

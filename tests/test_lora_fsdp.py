@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tailrl.rl.actor.lora_config import PROJECTIONS
+from tailrl.config.actor import PROJECTIONS
 from tailrl.rl.checkpoint.sharded_io import read_metadata
 from tailrl.rl.run import train
 from tests.conftest import make_tiny_chat_model
@@ -97,7 +97,7 @@ def test_only_the_adapters_are_trained_and_the_base_stays_bit_for_bit(runs, setu
     weights never moved."""
     from tailrl.model import load_model
     from tailrl.rl.actor.lora import add_adapters, lora_layers, merged_state
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
     from tailrl.rl.actor.lora_io import load_adapter_state
 
     _, two = runs
@@ -183,7 +183,7 @@ def _grad_rank(rank: int, chat: str, folder: str) -> None:
     from tailrl.model import load_model
     from tailrl.rl.actor.fsdp import apply_fsdp_lora
     from tailrl.rl.actor.lora import add_adapters, full, lora_layers
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)

@@ -9,6 +9,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK, BlockTables, blocks_for
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import tiny_model
+from tests.helpers import cache_gb
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 
@@ -18,14 +19,9 @@ def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory, "llama", seed=11)
 
 
-def _gb(blocks: int, model) -> float:
-    c = model.config
-    return (blocks + 1.5) * BLOCK * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 / 2**30
-
-
 def _engine(model, blocks=None, mode="off", invariant=False, max_num_seqs=256) -> Engine:
     spec = SpecConfig(mode=mode, min_match=1)
-    return Engine(model, None, EngineConfig(kv_cache_gb=_gb(blocks, model) if blocks else 0.05, spec=spec,
+    return Engine(model, None, EngineConfig(kv_cache_gb=cache_gb(blocks, model) if blocks else 0.05, spec=spec,
                                             batch_invariant=invariant, max_num_seqs=max_num_seqs))
 
 
@@ -177,7 +173,7 @@ def test_the_learned_drafter_under_preemption_cuts_its_trees_and_changes_no_toke
     for blocks in (None, 24):
         head = EagleDrafter(tiny.config).bind(tiny)
         drafter = LearnedDrafter(head, DrafterConfig(topk=4, min_prob=0.0))
-        eng = Engine(tiny, None, EngineConfig(kv_cache_gb=_gb(blocks, tiny) if blocks else 0.05, spec=spec,
+        eng = Engine(tiny, None, EngineConfig(kv_cache_gb=cache_gb(blocks, tiny) if blocks else 0.05, spec=spec,
                                               batch_invariant=True), make_speculator(spec, drafter))
         with caplog.at_level(logging.WARNING, logger="tailrl"):
             outs.append(eng.generate(PROMPTS, params))

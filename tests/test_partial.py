@@ -1,4 +1,4 @@
-"""Partial rollouts (rl/partial.py): a step ends its rollout once it has its groups and carries the unfinished
+"""Partial rollouts (rollout/partial.py): a step ends its rollout once it has its groups and carries the unfinished
 responses, which continue next step with their old tokens, logprobs and policy versions; the staleness bound
 restarts the oldest; the update weighs carried tokens by their recorded logprobs; a resumed run continues exactly."""
 
@@ -16,14 +16,12 @@ from tailrl.engine import SamplingParams
 from tailrl.engine.requests import SeqState
 from tailrl.engine.sequence import Completion
 from tailrl.rl.checkpoint.state_io import read_state, write_state
-from tailrl.rl.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
+from tailrl.rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tests.rl_helpers import tiny_cfg
+from tests.rl_helpers import check_rounds, tiny_cfg
 
-from .cluster_fakes import fake_rollout
-from .test_dynamic import check_rounds
-from .test_cluster_rollout import CPU, PARAMS, PROMPTS, spec
+from .cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
 
 PARTIAL = ("rollout.partial=true", "rollout.max_tokens=48", "rollout.n=4", "algo.mini_batch_size=8")
 # runs compared token for token: fp32 (bf16 batch invariance is established for SmolLM2's shapes, engine/invariant.py;

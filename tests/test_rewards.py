@@ -5,7 +5,7 @@ import pytest
 from tailrl.rl.rewards.runner import RewardRunner
 from tailrl.rl.rewards.builtin import (accuracy_name, answers_match, countdown_reward, extract_answer, format_reward,
                                math_partial_reward, math_reward, math_strict_reward)
-from tailrl.rl.tasks import make_rows
+from tailrl.tasks import make_rows
 
 
 def test_extract_answer_forms():

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from tailrl.rl.agent.pool import ToolCall, ToolPool
-from tailrl.rl.agent.sandbox import SandboxLimits, describe, make_python_tool, python, run_sandboxed
-from tailrl.rl.agent.tools import load_tools
+from tailrl.agent.pool import ToolCall, ToolPool
+from tailrl.agent.sandbox import SandboxLimits, describe, make_python_tool, python, run_sandboxed
+from tailrl.agent.toolbox import load_tools
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=2, max_processes=8)
 FALLBACK = SandboxLimits(wall_s=3.0, cpu_s=2, max_processes=8, namespaces=False)  # rlimits only, as without userns

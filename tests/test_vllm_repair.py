@@ -1,4 +1,4 @@
-"""vLLM-CPU's per-token expansion (vllm#55005) and our in-process repair (rl/rollout/vllm/repair.py): the self-test
+"""vLLM-CPU's per-token expansion (vllm#55005) and our in-process repair (rollout/vllm/repair.py): the self-test
 flags a broken expansion and not a correct one; the repair's values are exact in the input's dtype, greedy rows'
 replace_from -> replace_to included; audit verdicts are keyed by the repair state (a verdict reached without the
 repair is never read with it, and the other way round); the installed vllm-cpu is found broken and repaired in a
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tailrl.rl.rollout.vllm import audit as vllm_audit
-from tailrl.rl.rollout.vllm import repair as vr
+from tailrl.rollout.vllm import audit as vllm_audit
+from tailrl.rollout.vllm import repair as vr
 
 
 def reference(x, cu, num_tokens, replace_from=0, replace_to=0):
@@ -150,7 +150,7 @@ def test_a_worker_that_finds_otherwise_than_predicted_stops_the_build(broken):
 
 INSTALLED = """
 import json, os
-from tailrl.rl.rollout.vllm import repair as vr
+from tailrl.rollout.vllm import repair as vr
 from vllm.triton_utils import dispatcher
 from vllm.platforms import current_platform
 broken = vr.stand_in_broken()  # captured from the platform, nothing registered
@@ -199,7 +199,7 @@ def test_recovery_noise_is_exp1_never_zero_and_drawn_for_drafting_rows_only():
     divides by it), 1 for rows that drafted nothing, and a seeded request's row a function of its generator."""
     from scipy.stats import kstest
 
-    from tailrl.rl.rollout.vllm import recovery as rec
+    from tailrl.rollout.vllm import recovery as rec
 
     torch.manual_seed(0)
     q = rec.exponential(200_000, torch.float32)
@@ -229,7 +229,7 @@ import torch
 from scipy.stats import chisquare
 from vllm.platforms import current_platform
 current_platform.register_triton_kernel_overrides()
-from tailrl.rl.rollout.vllm import recovery as rec
+from tailrl.rollout.vllm import recovery as rec
 class Meta:
     generators = {}
 p = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.05, 0.05], [0.25] * 4 + [0.0] * 2])

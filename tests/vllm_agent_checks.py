@@ -1,4 +1,4 @@
-"""agent.tools on rollout.backend=vllm (rl/rollout/vllm/turns.py) with a tiny chat model vLLM's CPU kernels take, on one
+"""agent.tools on rollout.backend=vllm (rollout/vllm/turns.py) with a tiny chat model vLLM's CPU kernels take, on one
 in-process LLM and on two Ray actors. Run by tests/test_vllm.py in a process of its own (one more LLM in
 vllm_checks.py's process spins or fails in vLLM 0.32)."""
 
@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from tailrl.model import load_model  # noqa: E402
-from tailrl.rl.rollout.vllm.llm import make_llm  # noqa: E402
+from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
 from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402
 from tests.vllm_checks import TOL, our_logprobs  # noqa: E402
 
@@ -39,14 +39,14 @@ def check_trajectories(model, comps) -> None:
 
 
 def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logprobs(chat_folder):
-    """agent.tools on rollout.backend=vllm: the agent's turn loop over vLLM's engine (rl/rollout/vllm/turns.py).
+    """agent.tools on rollout.backend=vllm: the agent's turn loop over vLLM's engine (rollout/vllm/turns.py).
     A near-uniform tiny chat model (LM head scale 1, 64 words) writes `</calc>` with probability ~1/64 a token, so
     over 16 trajectories of 40 tokens some turns end at a call (P(none) < 1e-4). Every model token's logprob is our
     model's log p of it given the trajectory so far (T = 1, no warping), within TOL; observation tokens are mask 0."""
     from tailrl.engine import SamplingParams
-    from tailrl.rl.agent.config import AgentConfig
-    from tailrl.rl.agent.loop import AgentLoop
-    from tailrl.rl.rollout.vllm.turns import VllmTurns
+    from tailrl.config.agent import AgentConfig
+    from tailrl.agent.loop import AgentLoop
+    from tailrl.rollout.vllm.turns import VllmTurns
     folder = chat_folder
     llm = make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=16)
     model, tok = load_model(folder, device="cpu", dtype=torch.float32)
@@ -64,7 +64,7 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
 
 def test_two_ray_actors_run_the_turn_loop_each_on_its_prompts(chat_folder):
     """agent.tools with rollout.backend=vllm and rollout.workers=2: each actor runs its prompts' trajectories to their
-    end (VllmActor.run, rl/agent/remote.py); they come back in (prompt, sample) order, from both actors, with tool
+    end (VllmActor.run, agent/remote.py); they come back in (prompt, sample) order, from both actors, with tool
     calls, masked observations and our model's logprobs of the model's tokens (a trajectory merged under the wrong
     prompt would not match)."""
     from types import SimpleNamespace
@@ -72,7 +72,7 @@ def test_two_ray_actors_run_the_turn_loop_each_on_its_prompts(chat_folder):
     import ray
 
     from tailrl.config import load_config
-    from tailrl.rl.rollout.vllm.rollout import VllmRollout
+    from tailrl.rollout.vllm.rollout import VllmRollout
 
     cfg = load_config(overrides=[f"model.path={chat_folder}", "rollout.workers=2", "rollout.n=4", "rollout.max_tokens=40",
                                  "rollout.temperature=1.0", "rollout.top_k=0", "rollout.top_p=1.0",

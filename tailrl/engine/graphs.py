@@ -8,7 +8,7 @@ Invariants:
 - a graph holds the addresses of the KV cache storage, of its StaticBatch's inputs and of its outputs. The
   batches live as long as the runner; the cache's storage is stable within one `KVCache.generation`, and the
   pool drops every graph when the generation changes (a re-layout).
-- weights are read at their addresses too: updates must copy in place (rl/rollout/weights.py push_weights does), and
+- weights are read at their addresses too: updates must copy in place (rollout/weights.py push_weights does), and
   a model whose parameters are replaced needs a new pool.
 - all graphs share one memory pool, so a replay's outputs (and any graph's temporaries) are valid only until
   the next replay: the runner copies out the real rows at once.

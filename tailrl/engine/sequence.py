@@ -27,7 +27,7 @@ class Completion:
     # the target's last hidden state at every position but the last token, [prompt + output - 1, H], when the
     # engine captures them (for drafter training)
     hidden_states: object = field(default=None, repr=False)
-    # a multi-turn trajectory (rl/agent/ builds it; the engine never does): 1 on the tokens the policy sampled, 0 on
+    # a multi-turn trajectory (agent/ builds it; the engine never does): 1 on the tokens the policy sampled, 0 on
     # template and tool-observation tokens (None: every token is sampled), and its conversation and tool calls
     response_mask: list[int] | None = None
     trajectory: dict | None = field(default=None, repr=False)

@@ -210,3 +210,24 @@ def save_pretrained(model: CausalLM, folder: str | Path, tokenizer=None) -> None
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
+
+
+def save_layers(groups, model: Path, config, write: bool, tokenizer=None) -> None:
+    """save_pretrained layer by layer: an HF folder (fp32) from {name: full tensor} groups, one safetensors file a
+    group, as every rank iterates them (each may be a gather); write: this rank writes (rank 0 of N)."""
+    from safetensors.torch import save_file
+
+    groups, files = list(groups), {}
+    for k, layer in enumerate(groups):
+        if write:
+            name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            model.mkdir(parents=True, exist_ok=True)
+            save_file({n: t.contiguous().cpu() for n, t in layer.items()}, str(model / name), metadata={"format": "pt"})
+            files.update(dict.fromkeys(layer, name))
+    if write:
+        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
+        cfg = config.to_hf()
+        cfg["torch_dtype"] = "float32"
+        (model / "config.json").write_text(json.dumps(cfg, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(model))

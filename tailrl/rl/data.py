@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tasks import split_rows
+from ..tasks import chat_prompt, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -189,21 +189,6 @@ def fit_prompts(examples: list[Example], encode, system_prompt: str, max_tokens:
     if examples and not keep:
         raise ValueError(f"no {split} prompt fits data.max_prompt_tokens={max_tokens}")
     return keep
-
-
-def chat_prompt(prompt, system_prompt: str = "") -> list[dict]:
-    msgs = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if system_prompt and not (msgs and msgs[0].get("role") == "system"):
-        msgs = [{"role": "system", "content": system_prompt}] + msgs
-    return msgs
-
-
-def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
-    """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload, what `tailrl audit`
-    and the vLLM gate's audit (rollout/vllm/audit.py) sample."""
-    from .tasks import make_rows
-
-    return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]
 
 
 class Loader:

@@ -26,7 +26,7 @@ from .actor.lora_io import is_adapter, load_any
 from .checkpoint.store import candidates
 from .data import fit_prompts, load_datasets, peek_rows, read_table, to_examples
 from .rewards.builtin import accuracy_name, extract_answer
-from .tasks import TASKS
+from ..tasks import TASKS
 from .rewards.verl import adopt_verl
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,8 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
         raise ValueError(str(e)) from e
     loop = None
-    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (rl/agent/loop.py)
-        from .agent.loop import AgentLoop
+    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (agent/loop.py)
+        from ..agent.loop import AgentLoop
 
         loop = AgentLoop(cfg.agent, tokenizer)
     encode = loop.encode_prompt if loop is not None else engine.encode
@@ -167,7 +167,7 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     if loop is None:
         comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
     else:
-        from .data import chat_prompt
+        from ..tasks import chat_prompt
 
         try:
             msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]

@@ -30,10 +30,10 @@ from .dynamic import Gathered
 from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
-from .rollout.base import Rollout
-from .rollout.base import step_seed
-from .rollout.engine import make_rollout
-from .partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
+from ..rollout.base import Rollout
+from ..rollout.base import step_seed
+from ..rollout.engine import make_rollout
+from ..rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
 from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
@@ -302,8 +302,8 @@ class Trainer:
         root = self.out / "checkpoints"
         r = self.rollout
         opt = self.actor.optimizer if self.cfg.trainer.world_size == 1 else None  # N ranks: DCP checks the shards
-        got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(), opt, r.drafter_trainer, r.head,
-                                                               self.actor.tied),
+        got = load_checkpoint(root, lambda c: check_checkpoint(c, self.actor.shapes(dcp=c.sharded is not None), opt,
+                                                               r.drafter_trainer, r.head, self.actor.tied),
                               self.cfg.trainer.trust_pickled_state)
         if got is None:
             print(f"no checkpoint in {root}: starting fresh")

@@ -19,6 +19,7 @@ import torch
 
 from ...config import Config
 from ...model import load_model, save_pretrained
+from ...model.load import save_layers
 from ..checkpoint.store import non_finite_params
 from .fsdp import apply_fsdp, apply_fsdp_lora, full_layers, local_bytes
 from .forward import Batch
@@ -149,14 +150,12 @@ class Actor:
 
             base = str(Path(resolve_model_path(self.cfg.model.path)).resolve())
             if self.ranks.world > 1:  # every rank gathers the adapters (and the merged layers); rank 0 writes
-                from .group import write_layers
-
                 state = adapter_state(self.policy, gather=True)
                 if self.ranks.rank == 0:
                     save_adapter(self.policy, folder / "model", self.lora, base, state)
                 if final and self.lora.merged_export:
-                    write_layers(merged_layers(self.policy, torch.float32), folder / "merged", self.policy.config,
-                                 self.ranks.rank == 0, self.tokenizer)
+                    save_layers(merged_layers(self.policy, torch.float32), folder / "merged", self.policy.config,
+                                self.ranks.rank == 0, self.tokenizer)
                 return
             save_adapter(self.policy, folder / "model", self.lora, base)
             if final and self.lora.merged_export:
@@ -171,12 +170,14 @@ class Actor:
         """For the trainer state of a one-process checkpoint."""
         return self.optimizer.state_dict() if self.keeps_optimizer(final) else None
 
-    def shapes(self) -> dict:
-        """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it."""
-        if self.lora:  # PEFT's names (a DTensor shard's shape is the whole tensor's)
-            from .lora_io import adapter_state
+    def shapes(self, dcp: bool = False) -> dict:
+        """{name: shape} of the policy's state dict (global shapes), for checking a checkpoint before loading it, named
+        as a checkpoint saves them: LoRA's adapters by PEFT's names, or by the module's in dcp/ (dcp=True)."""
+        if self.lora:  # a DTensor shard's shape is the whole tensor's
+            from .lora_io import adapter_state, module_names
 
-            return {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
+            shapes = {n: tuple(t.shape) for n, t in adapter_state(self.policy).items()}
+            return module_names(shapes) if dcp else shapes
         return {n: tuple(t.shape) for n, t in self.policy.state_dict().items()}
 
     @property

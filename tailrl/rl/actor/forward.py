@@ -56,7 +56,7 @@ def make_batch(comps, pad: int) -> Batch:
     for i, c in enumerate(comps):
         p, n = plens[i] - 1 - start, len(c.token_ids)
         # a multi-turn trajectory's template and observation tokens (response_mask 0) never enter the loss, the KL,
-        # the entropy or TIS: every one of them is weighed by this mask (rl/agent/trajectory.py)
+        # the entropy or TIS: every one of them is weighed by this mask (agent/trajectory.py)
         rm = getattr(c, "response_mask", None)
         mask[i, p : p + n] = 1.0 if rm is None else torch.tensor(rm, dtype=torch.float32)
         if len(c.logprobs) != n:  # a 0 would pass for log p = 0: TIS weights min(p, cap), a logprob_diff of -log p

@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ...config import Config
+from ...model.load import save_layers
 
 FAULT: tuple | None = None  # tests only: (rank, step, "exit" | "hang"), injected into that rank's update
 
@@ -95,28 +95,7 @@ class ActorRank:
         if self.actor.lora:
             self.actor.write_model(folder, final)
             return
-        write_layers(self.actor.layers(None), folder / "model", self.actor.policy.config, self.rank == 0)
-
-
-def write_layers(groups, model: Path, config, write: bool, tokenizer=None) -> None:
-    """An HF folder (fp32) from {name: full tensor} groups, one safetensors file a group, as every rank iterates them
-    (each is a gather); write: this rank writes (rank 0)."""
-    from safetensors.torch import save_file
-
-    groups, files = list(groups), {}
-    for k, layer in enumerate(groups):
-        if write:
-            name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-            model.mkdir(parents=True, exist_ok=True)
-            save_file({n: t.contiguous().cpu() for n, t in layer.items()}, str(model / name), metadata={"format": "pt"})
-            files.update(dict.fromkeys(layer, name))
-    if write:
-        (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
-        cfg = config.to_hf()
-        cfg["torch_dtype"] = "float32"
-        (model / "config.json").write_text(json.dumps(cfg, indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(model))
+        save_layers(self.actor.layers(None), folder / "model", self.actor.policy.config, self.rank == 0)
 
 
 class ActorGroup:
@@ -230,8 +209,11 @@ class ActorGroup:
         dtype, adapted_only = rollout.dtype, bool(self.cfg.actor.lora.rank) and not rollout.streams_policy
         return rollout.load_weights((n, t) for layer in self.layers(dtype, adapted_only) for n, t in layer.items())
 
-    def shapes(self) -> dict:
-        return self._shapes
+    def shapes(self, dcp: bool = False) -> dict:
+        """Actor.shapes's, from rank 0."""
+        from .lora_io import module_names
+
+        return module_names(self._shapes) if dcp else self._shapes
 
     def non_finite(self) -> list[str]:
         self.what = "the checkpoint"

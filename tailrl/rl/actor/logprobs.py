@@ -17,7 +17,7 @@ E[A grad log pi_warped] is its gradient and the ratio pi_warped / pi_warped_old 
 temperature-only log-probability would score tokens under a distribution nobody sampled (its ratio to the
 engine's is the kept mass, 0.90-0.93 per token at top_p=0.9: a TIS weight off by that much, not a mismatch).
 DeepSeek-V3.2 (arXiv 2512.02556, section 3.1, "Keep Sampling Mask") trains under the rollout's truncation mask for
-this reason; vLLM's `logprobs_mode=processed_logprobs` (rl/rollout/vllm/llm.py) reports the same warped logprobs
+this reason; vLLM's `logprobs_mode=processed_logprobs` (rollout/vllm/llm.py) reports the same warped logprobs
 the engine does. The mask is recomputed from the trainer's own logits (it is a step function of them: no gradient
 flows through it), with the sampled token always kept: a token the engine drew at the edge of top-p, which the
 trainer's rounding (or a policy moved by an earlier mini-batch or a partial rollout's later version) leaves just

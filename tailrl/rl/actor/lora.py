@@ -24,7 +24,7 @@ import types
 import torch
 from torch import nn
 
-from .lora_config import LoraCfg
+from ...config.actor import LoraCfg
 
 
 def targets(model: nn.Module, lora: LoraCfg) -> dict[str, nn.Linear]:

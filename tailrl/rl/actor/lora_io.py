@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .lora import add_adapters, merged_state, peft_config
-from .lora_config import LoraCfg
+from ...config.actor import LoraCfg
 
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -41,6 +41,11 @@ def adapter_state(model: nn.Module, gather: bool = False) -> dict[str, torch.Ten
 def param_name(key: str) -> str:
     """The model's parameter name of a PEFT-named adapter tensor (`adapter_state`'s names back)."""
     return key.removeprefix(PREFIX).replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+
+
+def module_names(shapes: dict) -> dict:
+    """{name: shape} with PEFT-named adapter tensors under the model's parameter names (as dcp/ saves them)."""
+    return {param_name(n) if n.startswith(PREFIX) else n: s for n, s in shapes.items()}
 
 
 def load_adapter_state(model: nn.Module, sd: dict[str, torch.Tensor], where: str = "the adapter") -> None:

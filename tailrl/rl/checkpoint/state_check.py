@@ -182,7 +182,7 @@ def _check_partial(saved) -> None:
     """Partial rollouts' carried groups (absent or None: none): each response's tokens, logprobs and versions line up."""
     if saved is None:
         return
-    from ..partial import PartialBuffer
+    from ...rollout.partial import PartialBuffer
 
     buf = PartialBuffer(1, 0)
     try:
@@ -238,16 +238,13 @@ def check_state(state, step: int, optimizer, drafter_trainer=None) -> None:
 
 def check_checkpoint(got, shapes: dict, optimizer, drafter_trainer=None, head=None, tied: bool = False) -> None:
     """Everything resume reads from `got` (a checkpoint.Loaded): weights, trainer state, config and drafter head.
-    shapes: the live policy's {name: shape} (its state dict); optimizer: the live one, or None where its state is
-    sharded (DCP checks its moments' shapes as it loads them); tied: the LM head is the embedding. The
-    StateError's field is prefixed with the file it is in."""
+    shapes: the live policy's {name: shape} named as this checkpoint saves them (Actor.shapes(dcp=...): dcp/ names a
+    LoRA adapter's tensors as the module does, model.safetensors as PEFT does); optimizer: the live one, or None
+    where its state is sharded (DCP checks its moments' shapes as it loads them); tied: the LM head is the embedding.
+    The StateError's field is prefixed with the file it is in."""
     from .sharded_io import check_sharded
 
     live = dict(shapes)
-    if got.sharded is not None:  # dcp/ names a LoRA adapter's tensors as the module does, not as PEFT saves them
-        from ..actor.lora_io import PREFIX, param_name
-
-        live = {param_name(n) if n.startswith(PREFIX) else n: s for n, s in live.items()}
     if tied and got.sharded is None:
         live.pop("lm_head.weight", None)  # saved once, as the embedding
     step = int(got.path.name.removeprefix("step_"))

@@ -11,7 +11,7 @@ import operator
 import re
 from collections import Counter
 
-from ..user_code import import_user_module
+from ...user_code import load_object
 from .verl import verl_reward
 
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -169,17 +169,10 @@ def load_function(spec: str):
     """`module:function`; the module is looked up on sys.path and then in the current directory (as TRL
     users expect). Errors name the function and what went wrong (missing module, syntax error, ...)."""
     if ":" not in spec:
-        from ...config_help import choice_hint
+        from ...config.help import choice_hint
 
         raise ValueError(f"reward function {spec!r}: {choice_hint(spec, list(BUILTIN))} or give 'module:function'")
-    module, name = spec.split(":", 1)
-    try:
-        mod = import_user_module(module)
-    except Exception as e:  # SyntaxError, ImportError or anything the module raises at import
-        raise ValueError(f"reward function {spec!r}: importing module {module!r} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(mod, name, None)
-    if fn is None:
-        raise ValueError(f"reward function {spec!r}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {name!r}")
+    fn = load_object(spec, "reward function")
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn

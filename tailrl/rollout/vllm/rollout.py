@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from ....config import Config
-from ....engine.sequence import Completion
-from ....engine.stats import Completions, GenerateStats
-from ....engine.requests import encode as encode_prompt
+from ...config import Config
+from ...engine.sequence import Completion
+from ...engine.stats import Completions, GenerateStats
+from ...engine.requests import encode as encode_prompt
 from .io import Drawn, draw, stream_weights
 from .llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
 from .spec import speculative_config
@@ -75,7 +75,7 @@ class VllmRollout:
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
-        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives vLLM's engine (turns.py)
+        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives vLLM's engine (turns.py)
         if cfg.agent.enabled:
             if self.proposer:
                 raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
@@ -150,8 +150,8 @@ class VllmRollout:
     def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
-        from ....engine.sampling import SamplingParams
-        from ...data import chat_prompt
+        from ...engine.sampling import SamplingParams
+        from ...tasks import chat_prompt
         from ..base import step_seed
         from .turns import VllmTurns
 
@@ -160,7 +160,7 @@ class VllmRollout:
                                  top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
                   for i in range(len(examples))]
         msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rl/agent/remote.py)
+        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (agent/remote.py)
             from ...agent.remote import cluster_agent_rollout
 
             comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,

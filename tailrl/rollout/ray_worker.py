@@ -12,14 +12,14 @@ import time
 
 import torch
 
-from ...cluster.workers import DTYPES, WorkerParts, WorkerSpec
-from ...drafter.compose import make_speculator
-from ...drafter.config import DrafterConfig
-from ...drafter.eagle import EagleDrafter, load_drafter
-from ...drafter.propose import LearnedDrafter
-from ...drafter.train import DrafterTrainer
-from ...engine import Engine
-from ...model import load_model
+from ..cluster.workers import DTYPES, WorkerParts, WorkerSpec
+from ..drafter.compose import make_speculator
+from ..drafter.config import DrafterConfig
+from ..drafter.eagle import EagleDrafter, load_drafter
+from ..drafter.propose import LearnedDrafter
+from ..drafter.train import DrafterTrainer
+from ..engine import Engine
+from ..model import load_model
 
 
 class DrafterIdle:

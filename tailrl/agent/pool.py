@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tailrl.rl.agent.tools import Tool, ToolError, ToolTimeout
+from .tool import Tool, ToolError, ToolTimeout
 
 STATUSES = ("ok", "error", "timeout", "unknown_tool", "bad_arguments", "malformed")
 TRUNCATE_SIDES = ("left", "right", "middle")

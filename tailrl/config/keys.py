@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from .config_help import REMOVED, did_you_mean, or_list
-from .config_values import ConfigError, coerce
+from .help import REMOVED, did_you_mean, or_list
+from .values import ConfigError, coerce
 
 
 def valid_keys(cls, prefix: str = "") -> list[str]:

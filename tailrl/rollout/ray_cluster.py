@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from ...config import Config
-from ...engine import EngineConfig
-from ...model.load import resolve_dtype
+from ..config import Config
+from ..engine import EngineConfig
+from ..model.load import resolve_dtype
 from .ray_worker import head_state, merge_heads
 
 
@@ -23,8 +23,8 @@ def make_cluster(cfg: Config, engine: EngineConfig | None = None):
     r = cfg.rollout
     if r.workers <= 1:
         return None
-    from ...cluster.rollout import ClusterRollout
-    from ...cluster.workers import WorkerSpec
+    from ..cluster.rollout import ClusterRollout
+    from ..cluster.workers import WorkerSpec
 
     engine = engine or EngineConfig(kv_cache_gb=r.kv_cache_gb, max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed,
                                     spec=r.spec, batch_invariant=r.batch_invariant, prefix_cache=r.prefix_cache)
@@ -33,7 +33,7 @@ def make_cluster(cfg: Config, engine: EngineConfig | None = None):
     spec = WorkerSpec(model=cfg.model.path, engine=engine, dtype=dtype, device=cfg.model.device,
                       threads=r.worker_threads)
     if cfg.drafter.enabled or cfg.drafter.path:  # workers draft with the head, and train it when idle (TLT)
-        spec.factory = "tailrl.rl.rollout.ray_worker:build"
+        spec.factory = "tailrl.rollout.ray_worker:build"
         spec.options = {"drafter": dataclasses.asdict(cfg.drafter), "seed": cfg.trainer.seed}
     return ClusterRollout(spec, r.workers, cfg.cluster, prior_length=r.max_tokens / 2, seed=cfg.trainer.seed)
 

@@ -19,14 +19,14 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
-from ....engine.requests import encode
-from ....speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
+from ...engine.requests import encode
+from ...speculative.audit import (AUDIT_VERSION, AuditConfig, AuditResult, Response, context_needed, draw, judge,
                                   score_arm, tol_for)
 from .io import draw as draw_llm
 from .llm import hf_folder, make_llm, vllm_version
 from .repair import REPAIRED, UNREPAIRED, expected_state
 
-PROPOSER = "tailrl.rl.rollout.vllm.proposer.HistoryProposer"
+PROPOSER = "tailrl.rollout.vllm.proposer.HistoryProposer"
 
 
 def spec_dict(method: str, k: int) -> dict | None:
@@ -72,8 +72,8 @@ def scorer_for(folder: str, dtype: str):
     the LLMs are freed)."""
     import torch
 
-    from ....engine.score import model_scorer
-    from ....model import load_model
+    from ...engine.score import model_scorer
+    from ...model import load_model
 
     cuda = torch.cuda.is_available()
     model, _ = load_model(folder, device="cuda" if cuda else "cpu",
@@ -83,7 +83,7 @@ def scorer_for(folder: str, dtype: str):
 
 def model_context(folder: str) -> int:
     """The model's context (max_position_embeddings of its HF config, as our engine and the rollout take it)."""
-    from ....model.config import ModelConfig
+    from ...model.config import ModelConfig
 
     return ModelConfig.from_hf(json.loads((Path(folder) / "config.json").read_text())).max_position_embeddings
 
@@ -108,7 +108,7 @@ def run_audit(folder: str, method: str, k: int, dtype: str, seed: int = 0, cfg: 
     if prompts is None:
         from transformers import AutoTokenizer
 
-        from ...data import audit_prompts
+        from ...tasks import audit_prompts
 
         tok = AutoTokenizer.from_pretrained(folder)
         prompts = audit_prompts(lambda m: encode(tok, m), 4, seed)
@@ -243,8 +243,8 @@ def vllm_arms(model: str, method: str, dtype: str, seed: int = 0):
 
     from transformers import AutoTokenizer
 
-    from ....engine.score import model_scorer
-    from ....model import load_model
+    from ...engine.score import model_scorer
+    from ...model import load_model
 
     tok = AutoTokenizer.from_pretrained(folder)
     ours, _ = load_model(folder, device="cpu", dtype=torch.float32)

@@ -27,8 +27,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from tailrl.rl.agent.sandbox_boot import SOURCE
-from tailrl.rl.agent.tools import ToolTimeout
+from .sandbox_boot import SOURCE
+from .tool import ToolTimeout
 
 NOBODY = 65534
 
@@ -214,7 +214,7 @@ def python(code: str) -> str:
 
 def make_python_tool(limits: SandboxLimits):
     """The `python` tool with other limits (same name, schema and docstring)."""
-    from tailrl.rl.agent.tools import make_tool
+    from .tool import make_tool
 
     def python(code: str) -> str:
         return _python(code, limits)

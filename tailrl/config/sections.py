@@ -1,23 +1,17 @@
-"""Training configuration: nested dataclasses, read from YAML and overridden with dotted `key.sub=value`.
-An unknown key is a one-line error with the nearest valid keys ("did you mean algo.lr?"); a value of the wrong type
-or outside a key's choices names the key (and the choices)."""
+"""Training configuration: the sections, nested dataclasses with each key's doc as its comment, and the checks
+across keys (`Config.validate`). load.py reads them from YAML and dotted `key.sub=value` overrides."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from . import config_keys
-from .cluster.config import ClusterConfig
-from .config_help import choice_problem, did_you_mean, or_list
-from .config_values import ConfigError, override_value, parse_yaml  # noqa: F401 - ConfigError, parse_yaml: imported from here
-from .drafter.config import DrafterConfig
-from .presets import preset_file, preset_names
-from .rl.actor.lora_config import ActorCfg
-from .rl.agent.config import AgentConfig, agent_problem
-from .speculative.config import SpecConfig
+from ..cluster.config import ClusterConfig
+from ..drafter.config import DrafterConfig
+from ..speculative.config import SpecConfig
+from .actor import ActorCfg
+from .agent import AgentConfig, agent_problem
+from .values import ConfigError
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
 
@@ -86,7 +80,7 @@ class RolloutCfg:
     # ngram | suffix (vLLM's own, refused if the audit fails) | off
     vllm_spec: str = "auto"
     vllm_spec_tokens: int = 8  # backend=vllm: draft tokens per step at most (num_speculative_tokens)
-    # partial rollouts (APRIL, arXiv 2509.18521; rl/partial.py), off-policy: a step launches partial_oversample x
+    # partial rollouts (APRIL, arXiv 2509.18521; rollout/partial.py), off-policy: a step launches partial_oversample x
     # the groups it needs, ends its rollout once trainer.prompts_per_step groups are complete, and carries the
     # unfinished responses into the next step, where they continue under the new weights. Every token keeps the
     # logprob and the policy version that drew it; the update weighs it by truncated importance sampling
@@ -263,57 +257,9 @@ class Config:
         problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
         if why := next((p for p in problems if p), None):
             raise ConfigError(why)
-        from .engine import SamplingParams
+        from ..engine import SamplingParams
         try:
             SamplingParams(n=self.rollout.n, max_tokens=self.rollout.max_tokens, temperature=self.rollout.temperature,
                            top_p=self.rollout.top_p, top_k=self.rollout.top_k)
         except ValueError as e:
             raise ConfigError(f"bad rollout setting: {e}") from e
-
-
-def valid_keys(cls=Config, prefix: str = "") -> list[str]:
-    return config_keys.valid_keys(cls, prefix)
-
-
-def _set(obj, parts: list[str], value, full: str) -> None:
-    config_keys.set_key(obj, parts, value, full, Config)
-
-
-def load_config(path: str | None = None, overrides: list[str] = (), preset: str = "") -> Config:
-    """defaults < the preset's YAML (tailrl/presets/) < the YAML at path < overrides."""
-    cfg = Config()
-    if preset and preset_file(preset) is None:
-        near = did_you_mean(preset, preset_names())
-        raise ConfigError(f"unknown preset {preset!r}; {f'did you mean {or_list(near)}? ' if near else ''}"
-                          f"(presets: {', '.join(preset_names())})")
-    for path in ([str(preset_file(preset))] if preset else []) + ([path] if path else []):
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path!r} not found")
-        data = parse_yaml(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections")
-        for k, v in data.items():
-            _set(cfg, [k], v, k)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key.sub=value (`tailrl config show` lists the keys)")
-        key, raw = item.split("=", 1)
-        _set(cfg, key.strip().split("."), override_value(raw), key.strip())
-    if why := choice_problem(cfg):
-        raise ConfigError(why)
-    for owner, name, cls in ((cfg.rollout, "spec", SpecConfig), (cfg, "drafter", DrafterConfig),
-                             (cfg, "cluster", ClusterConfig), (cfg, "actor", ActorCfg),
-                             (cfg, "agent", AgentConfig)):  # nested settings validate themselves on construction
-        try:
-            setattr(owner, name, cls(**dataclasses.asdict(getattr(owner, name))))
-        except ValueError as e:
-            raise ConfigError(f"bad {'rollout.' if owner is cfg.rollout else ''}{name} setting: {e}") from e
-    if cfg.rollout.spec.mode == "learned" and not (cfg.drafter.enabled or cfg.drafter.path):
-        raise ConfigError("rollout.spec.mode=learned needs drafter.enabled=true or a drafter.path")
-    cfg.validate()
-    return cfg
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)

@@ -18,9 +18,9 @@ import tokenize
 
 import yaml
 
-from .cluster.config import PLACEMENTS
-from .loggers import LOGGERS
-from .speculative.config import MODES
+from ..cluster.config import PLACEMENTS
+from ..loggers import LOGGERS
+from ..speculative.config import MODES
 
 # other trainers' names for our keys (TRL's GRPOConfig, verl's ppo_trainer.yaml), matched by a key's last part
 ALIASES = {

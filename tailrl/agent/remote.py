@@ -1,7 +1,7 @@
 """The agent's turn loop on Ray rollout workers (rollout.workers > 1): each worker runs the trajectories of the prompts
 placed on it to their end, tools and all, so a trajectory stays on its worker across turns (its history drafts, its
 kept K/V, its engine; on rollout.backend=vllm its actor's prefix cache: VllmActor.run hands the loop the actor's LLM
-behind the engine calls, rl/rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
+behind the engine calls, rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
 (prompt, sample) order and merges the metrics.
 
 On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers
@@ -9,9 +9,9 @@ gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
 
 from __future__ import annotations
 
-from .config import AgentConfig
+from ..config.agent import AgentConfig
 
-FN = "tailrl.rl.agent.remote:worker_rollout"
+FN = "tailrl.agent.remote:worker_rollout"
 
 
 def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
@@ -34,7 +34,7 @@ def split(n: int, workers: int) -> list[list[int]]:
 
 def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, params: list):
     """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers."""
-    from ...engine.stats import Completions, GenerateStats
+    from ..engine.stats import Completions, GenerateStats
 
     parts = [p for p in split(len(prompts), cluster.num_workers) if p]
     args = {w: (cfg, [prompts[i] for i in idx], [msgs[i] for i in idx], [params[i] for i in idx])

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from ...config import Config
-from ...drafter.compose import make_speculator
-from ...drafter.eagle import EagleDrafter, load_drafter
-from ...drafter.propose import LearnedDrafter
-from ...drafter.train import DrafterTrainer, SpotLender, SpotTrainer
-from ...engine import Completions, Engine, EngineConfig, GenerateStats, SamplingParams
-from ...engine.tail import tail_metrics
+from ..config import Config
+from ..drafter.compose import make_speculator
+from ..drafter.eagle import EagleDrafter, load_drafter
+from ..drafter.propose import LearnedDrafter
+from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
+from ..engine import Completions, Engine, EngineConfig, GenerateStats, SamplingParams
+from ..engine.tail import tail_metrics
 from .base import step_seed
 from .ray_cluster import cluster_rollout, make_cluster
 from .ray_worker import head_state, merge_heads
@@ -71,7 +71,7 @@ class EngineRollout:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
-        self.agent = None  # agent.tools: the turn loop (rl/agent/loop.py) drives the engine
+        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives the engine
         if cfg.agent.enabled:
             from ..agent.loop import AgentLoop
 
@@ -148,10 +148,10 @@ class EngineRollout:
         return comps
 
     def _cluster_agent_rollout(self, examples: list, params: list, weights=None):
-        """Multi-turn trajectories on the Ray workers (rl/agent/remote.py): this step's weights first (none for the
+        """Multi-turn trajectories on the Ray workers (agent/remote.py): this step's weights first (none for the
         eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
         from ..agent.remote import cluster_agent_rollout
-        from ..data import chat_prompt
+        from ..tasks import chat_prompt
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
@@ -163,8 +163,8 @@ class EngineRollout:
         return comps
 
     def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
-        """Multi-turn trajectories (rl/agent/loop.py): the turn loop drives the engine and runs the tools."""
-        from ..data import chat_prompt
+        """Multi-turn trajectories (agent/loop.py): the turn loop drives the engine and runs the tools."""
+        from ..tasks import chat_prompt
 
         n = sum(p.n for p in params)
         if self.spot is not None and step is not None:
@@ -185,10 +185,10 @@ class EngineRollout:
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
                          last_step_s: float, done, weights=None) -> tuple[list, list, list]:
-        """A partial rollout (rl/partial.py): continues `states` (carried responses, re-prefilled under the weights
+        """A partial rollout (rollout/partial.py): continues `states` (carried responses, re-prefilled under the weights
         the engine holds now, first in the queue) and starts `prompts` (token ids, their params, group labels);
         `done(finished, running)` is told of each engine step's finished responses and, on demand, (label, sample,
-        tokens so far) of the unfinished ones, and returns True once the rollout may stop (rl/partial.py's Horizon). Returns (the finished completions, the unfinished responses exported as states, the (label,
+        tokens so far) of the unfinished ones, and returns True once the rollout may stop (rollout/partial.py's Horizon). Returns (the finished completions, the unfinished responses exported as states, the (label,
         sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate."""
         if self.cluster is not None:
             return self._cluster_partial(prompts, params, labels, states, done, weights)
@@ -199,7 +199,7 @@ class EngineRollout:
     def _cluster_partial(self, prompts, params, labels, states, done, weights):
         """The partial rollout on Ray workers: this step's weights first, then the driver's rounds until `done`;
         keys come back as (label, sample) like the engine's."""
-        from ...cluster.partial import partial_rollout
+        from ..cluster.partial import partial_rollout
 
         t = time.perf_counter()
         c = self.cluster
@@ -222,7 +222,7 @@ class EngineRollout:
     def start_state(self, label: int, j: int, prompt_ids: list[int], params: SamplingParams, seed: int):
         """A response not yet begun, as a state this engine continues (its stop tokens and context limit applied as
         for the engine's own groups): partial rollouts restart responses from these."""
-        from ...engine.requests import SeqState
+        from ..engine.requests import SeqState
 
         stop = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.eos_ids)))
         max_tokens = min(params.max_tokens, self.engine.max_model_len - len(prompt_ids))

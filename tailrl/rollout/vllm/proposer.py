@@ -1,7 +1,7 @@
 """Our history speculation inside vLLM: a `custom_class` proposer (vllm/v1/spec_decode/custom_class_proposer.py).
 
     LLM(..., speculative_config={"method": "custom_class", "num_speculative_tokens": k,
-                                 "model": "tailrl.rl.rollout.vllm.proposer.HistoryProposer"})
+                                 "model": "tailrl.rollout.vllm.proposer.HistoryProposer"})
 
 vLLM calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` once per step with every running
 row; it passes no request ids and no prompt lengths. So the rollout pushes its prompts first (`push_prompts`,
@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from ....speculative.config import SpecConfig
-from ....speculative.drafters import PROMPT_TAIL, PromptHistory
-from ....speculative.goodput import Calibration, StepLine, choose, worth_drafting
-from ....speculative.suffix import TreeShape, build_tree
+from ...speculative.config import SpecConfig
+from ...speculative.drafters import PROMPT_TAIL, PromptHistory
+from ...speculative.goodput import Calibration, StepLine, choose, worth_drafting
+from ...speculative.suffix import TreeShape, build_tree
 
 PROBE = 8  # tokens of a prompt compared to confirm a row still holds the request it held last step
 # occurrences of a match compared per draft, the most recent: on vLLM's hot path every row drafts every step, and

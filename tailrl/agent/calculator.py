@@ -14,7 +14,7 @@ import math
 import operator
 from fractions import Fraction
 
-from tailrl.rl.agent.tools import ToolError
+from .tool import ToolError
 
 MAX_LENGTH = 500  # characters of expression
 MAX_BITS = 1024  # of any intermediate numerator or denominator (about 308 decimal digits)

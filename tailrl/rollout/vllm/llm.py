@@ -38,7 +38,7 @@ def vllm_version() -> str:
 def hf_folder(model_path: str) -> str:
     """The HF checkpoint folder vLLM loads: the folder itself, or for a GGUF the dequantized folder that
     `load_model` caches (model/load.py), written now if it is not there yet."""
-    from ....model.load import _gguf_cache_dir, load_model, resolve_model_path
+    from ...model.load import _gguf_cache_dir, load_model, resolve_model_path
 
     path = resolve_model_path(model_path)
     if not path.endswith(".gguf"):

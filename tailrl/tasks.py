@@ -1,7 +1,9 @@
 """Verifiable tasks generated locally: arithmetic word problems with a difficulty spread, and Countdown.
 
 Rows are {"prompt", "answer", "task", "level"}; easy levels give a small starting policy some reward, hard
-levels make long responses (the long tail of rollout lengths)."""
+levels make long responses (the long tail of rollout lengths). Also a prompt as chat messages (`chat_prompt`) and
+the audits' workload (`audit_prompts`): the rollout and its vLLM gate use them, so this module imports nothing of
+ours."""
 
 from __future__ import annotations
 
@@ -178,3 +180,16 @@ def write_rows(rows: list[dict], out: str | Path) -> None:
     with out.open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+
+
+def chat_prompt(prompt, system_prompt: str = "") -> list[dict]:
+    msgs = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if system_prompt and not (msgs and msgs[0].get("role") == "system"):
+        msgs = [{"role": "system", "content": system_prompt}] + msgs
+    return msgs
+
+
+def audit_prompts(encode, k: int, seed: int = 0) -> list[list[int]]:
+    """k arithmetic prompts of levels 2-3 through the chat template: the default run's workload, what `tailrl audit`
+    and the vLLM gate's audit (rollout/vllm/audit.py) sample."""
+    return [encode(chat_prompt(r["prompt"])) for r in make_rows("arithmetic", k, seed=seed, levels=(2, 3))]

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from ....cluster.cost import StepCost
-from ....cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
+from ...cluster.cost import StepCost
+from ...cluster.placement import LengthPredictor, Unit, affine, length_metrics, place, prompt_key, static_split
 
 
 def pinned_cpus(bind: str, index: int) -> set[int] | None:
@@ -83,7 +83,7 @@ class VllmActor:
         return drawn, spec, time.perf_counter() - t
 
     def run(self, fn: str, *args):
-        """fn(engine, *args), fn a "module:function" (rl/agent/remote.py's turn loop): the engine is this actor's LLM
+        """fn(engine, *args), fn a "module:function" (agent/remote.py's turn loop): the engine is this actor's LLM
         behind the loop's engine calls (turns.py), so a trajectory stays on its actor across turns and vLLM's prefix
         cache holds its earlier turns."""
         import importlib
@@ -106,7 +106,7 @@ def start_cluster(cfg, folder: str, dtype: str, max_len: int, spec: dict | None)
     """rollout.workers VllmActors on Ray (local, or cluster.address), each started and answering."""
     import ray
 
-    from ....cluster.workers import start_ray
+    from ...cluster.workers import start_ray
 
     r = cfg.rollout
     start_ray(cfg.cluster.address)

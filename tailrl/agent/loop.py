@@ -27,12 +27,12 @@ import logging
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
-from ...engine import Completion, Completions, GenerateStats, SamplingParams
-from ...engine.tail import tail_size
-from .config import AgentConfig
+from ..engine import Completion, Completions, GenerateStats, SamplingParams
+from ..engine.tail import tail_size
+from ..config.agent import AgentConfig
 from .formats import make_format
 from .pool import ToolPool
-from .tools import load_tools
+from .toolbox import load_tools
 from .trajectory import ChatDelta, Trajectory, drift, turn_seed
 
 log = logging.getLogger(__name__)

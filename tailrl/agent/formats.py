@@ -17,7 +17,7 @@ import json
 import re
 
 from .pool import ToolCall, ToolResult
-from .tools import Tool
+from .tool import Tool
 
 TAG_ALIASES = {"calculator": "calc"}  # the short tag a small model copies from few-shot turns
 

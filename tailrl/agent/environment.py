@@ -14,7 +14,8 @@ import inspect
 import math
 from typing import Protocol, runtime_checkable
 
-from tailrl.rl.agent.tools import Tool, import_object, make_tool
+from ..user_code import load_object
+from .tool import Tool, make_tool
 
 RESERVED = ("reset", "reward")
 
@@ -26,7 +27,7 @@ class Environment(Protocol):
 
 def load_environment(spec: str) -> type:
     """The environment class named by "module:Class" (or "path/file.py:Class"); ValueError naming `spec`."""
-    cls = import_object(spec, what="environment")
+    cls = load_object(spec, "environment")
     if not inspect.isclass(cls):
         raise ValueError(f"environment spec {spec!r} names a {type(cls).__name__}, not a class")
     try:

@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts on vLLM: the engine calls the agent's turn loop (rl/agent/loop.py) makes of our engine,
+"""Multi-turn tool rollouts on vLLM: the engine calls the agent's turn loop (agent/loop.py) makes of our engine,
 answered by vLLM's own LLMEngine, so the same loop runs on both backends.
 
 Each turn is a request (add_request / step): a trajectory that stops at a tool call leaves vLLM's batch, its tool
@@ -18,9 +18,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from ....engine.sampling import SamplingParams
-from ....engine.sequence import Completion
-from ....engine.stats import StepRecord
+from ...engine.sampling import SamplingParams
+from ...engine.sequence import Completion
+from ...engine.stats import StepRecord
 
 
 @dataclass
