@@ -205,11 +205,11 @@ def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(request, tiny, 
 
 @pytest.mark.parametrize("route", ["in place", "chunked"])
 def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(request, tiny, route):
-    """6 sequences drafting one token each verify 12 rows in a pass whose products run on 16 (ROW_TILE): the 4 free
-    rows verify the next nodes of the likeliest drafts, never past a sequence's query block (ITEM_TOKENS in place,
-    QUERY_BLOCK on the chunked route) or into another tile. The tokens are those of plain decoding."""
-    from tailrl.model.chunked import ROW_TILE
-
+    """6 sequences drafting one token each verify 12 rows in a pass whose products run on 16 (ROW_TILE) in calls of
+    the probe's rows: the free rows (to the tile's end until the step-time model has priced a row, then to the last
+    product call's end) verify the next nodes of the likeliest drafts, never past a sequence's query block
+    (ITEM_TOKENS in place, QUERY_BLOCK on the chunked route) or into another weight stream. The tokens are those of
+    plain decoding."""
     if route == "chunked":
         request.getfixturevalue("chunked_route")
 
@@ -235,8 +235,8 @@ def test_free_rows_of_the_last_tile_verify_more_drafts_and_change_no_token(reque
     assert verified and any(sum(v) > sum(p) for p, v in verified)  # steps verified more than the arm's budget
     for planned, nodes in verified:
         assert all(p <= n <= max(p, -(-(1 + p) // block) * block - 1) for p, n in zip(planned, nodes))
-        tiles = lambda ns: -(-sum(1 + n for n in ns) // ROW_TILE)  # noqa: E731
-        assert tiles(nodes) == tiles(planned)
+        streams = lambda ns: sp.selector.geometry.passes(sum(1 + n for n in ns))  # noqa: E731
+        assert streams(nodes) == streams(planned)
     fed = SpecConfig(mode="ngram", budgets=(1,), fill_tiles=False)
     sp2 = Speculator(fed)
     eng2 = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=fed, batch_invariant=True), sp2)

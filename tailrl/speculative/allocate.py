@@ -158,16 +158,21 @@ FILL_MIN_SURVIVAL = 0.05  # a free row still samples the vocabulary (~0.1 ms on 
 
 
 def fill_tile(trees: list[DraftTree | None], wide: list[DraftTree | None], model: AcceptanceModel, tile: int,
-              block: int) -> tuple[list[DraftTree | None], int]:
+              block: int, free: int | None = None, min_survival: float = 0.0) -> tuple[list[DraftTree | None], int]:
     """The rows a batch-invariant pass leaves free, given to the likeliest next draft nodes. Its matrix products run
     on whole tiles of `tile` rows (model/chunked.py ROW_TILE), so a step of 6 sequences verifying one draft each
     (12 rows) pays for 16; its attention reads a sequence's keys once per query block of `block` rows, so a node
     that stays in its sequence's last block costs no attention either. trees: the chains the step verifies (cut to
     the arm's budget, and by `allocate`); wide: the same drafter's chains drafted to the end of each sequence's last
     query block (trees[b] a prefix of wide[b]). Returns the trees with the free rows' nodes appended, best
-    survival first, and how many nodes were added. Lossless as `allocate` is: a deterministic draft is any function
+    survival first, and how many nodes were added. free: the rows to give (default: those up to the last tile's
+    end; the speculator gives those up to the end of the pass's last product call where the step-time model has
+    priced a row, speculative/step_cost.py); min_survival: the odds a node needs (at least FILL_MIN_SURVIVAL: a row
+    still costs its arithmetic and sampling). Lossless as `allocate` is: a deterministic draft is any function
     of the context, and the verifier emits the target's own draws whatever it verifies."""
-    free = -sum(1 + (len(t) if t is not None else 0) for t in trees) % tile
+    if free is None:
+        free = -sum(1 + (len(t) if t is not None else 0) for t in trees) % tile
+    min_survival = max(min_survival, FILL_MIN_SURVIVAL)
     if not free:
         return trees, 0
     slots: list[tuple[float, int, int]] = []  # (-survival, node, sequence)
@@ -179,7 +184,7 @@ def fill_tile(trees: list[DraftTree | None], wide: list[DraftTree | None], model
             continue
         end = block_end(n, block)  # the sequence's nodes up to the end of its last query block
         surv = model.survival(w)
-        slots += [(-surv[i], i, b) for i in range(n, min(len(w), end)) if surv[i] >= FILL_MIN_SURVIVAL]
+        slots += [(-surv[i], i, b) for i in range(n, min(len(w), end)) if surv[i] >= min_survival]
     slots.sort()  # a node's survival is at most its parent's, and ties go to the shallower: parents come first
     extra: dict[int, int] = {}
     for _, _, b in slots[:free]:

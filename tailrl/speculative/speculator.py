@@ -191,7 +191,8 @@ class Speculator:
         self._planned = [len(t) if t else 0 for t in trees]
         self._filled = 0
         if fill:
-            trees, self._filled = fill_tile(trees, wide, self.odds, self.row_tile, self.row_block)
+            trees, self._filled = fill_tile(trees, wide, self.odds, self.row_tile, self.row_block,
+                                            *self._free_rows(trees))
         self._trees = trees
         return arm, self._trees
 
@@ -208,6 +209,26 @@ class Speculator:
                 log.warning("drafter %s failed on request %d: %s", drafter.name, s.prompt_index, e)
                 out.append(None)
         return out
+
+    def _free_rows(self, trees: list) -> tuple[int | None, float]:
+        """(rows to fill, the odds a node needs there): the rows up to the end of the pass's last product call (within
+        a call a row costs only its arithmetic and sampling) and the odds at which a row pays for that at the step's
+        goodput, from the step-time model; (None, 0): the last tile's rows, before the model has priced a row."""
+        cost = self._seconds_of_rows()
+        if cost is None or not self.selector.time.measured(len(trees)):
+            return None, 0.0
+        B, drafts = len(trees), sum(len(t) for t in trees if t is not None)
+        geo = self.selector.geometry
+        rows = end = B + drafts
+        while geo.passes(end + 1) == geo.passes(rows) and end - rows < 256:
+            end += 1
+        free = end - rows
+        if not free:
+            return 0, 0.0
+        t0 = cost(drafts)
+        price = (cost(drafts + free) - t0) / free  # seconds a filled row adds
+        goodput = self.selector.decision.predicted or B / t0
+        return free, price * goodput
 
     def _seconds_of_rows(self):
         """rows -> the step-time model's seconds of this step verifying that many draft rows (None: not measured)."""
