@@ -129,7 +129,7 @@ class StepTime:
     """The step-time model (see the module docstring): `record(shape, seconds)` after every decode step,
     `seconds(shape)` for any shape at that batch size."""
 
-    def __init__(self, decay: float = 0.995, pool: float = 2.0, prior: float = 2.0):
+    def __init__(self, decay: float = 0.995, pool: float = 0.05, prior: float = 0.1):
         self.decay, self.pool, self.prior = decay, pool, prior
         self.all = _Sums()
         self.buckets: dict[int, _Sums] = {}
