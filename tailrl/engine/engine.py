@@ -88,6 +88,7 @@ class Engine:
         self._gc_frozen = False
         self._done: list[Sequence] = []  # finished outside a step (rejected requests): returned by the next step
         self._warned_fit = False
+        self._collector: Collector | None = None  # the rollout running now (its SD-off estimate at its end)
         self.lookahead = max(self.speculator.cfg.budgets) if self.speculator is not None else 0
 
     def encode(self, prompt) -> list[int]:
@@ -229,6 +230,7 @@ class Engine:
     def end_rollout(self, stats: GenerateStats | None = None) -> None:
         """One rollout (an RL step) ended: the history drafter keeps this epoch's responses; stats.stale gets
         the acceptance watchdog's verdict per drafter."""
+        self._estimate_off(stats)
         self.drop_kept(list(self.scheduler.parked))  # kept K/V does not outlive its rollout (weights move)
         self.runner.kv.tables.forget()  # nor does the prefix index
         if self.speculator is not None:
@@ -238,6 +240,18 @@ class Engine:
         if self._gc_frozen:
             gc.unfreeze()
             self._gc_frozen = False
+
+    def _estimate_off(self, stats: GenerateStats | None) -> None:
+        """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, priced by the
+        selector's step-time model (Speculator.off_seconds), in stats.off_body_s / off_tail_s."""
+        col = self._collector
+        if self.speculator is None or stats is None or col is None or col.stats is not stats or len(col.done) < len(col.ids):
+            return
+        comps = [col.done[i] for i in col.ids]
+        est = self.speculator.off_seconds([len(c.prompt_token_ids) for c in comps], [len(c.token_ids) for c in comps],
+                                          stats.tail_size)
+        if est is not None:
+            stats.off_body_s, stats.off_tail_s = est
 
     def _new_batch(self) -> None:
         """Requests or imported sequences arrive at an idle engine: a new batch, whose weights may have moved since
@@ -291,6 +305,7 @@ class Engine:
         stats from now on (the rollout running now: what a progress line reads)."""
         col = Collector(ids)
         self.last_stats = col.stats
+        self._collector = col
         return col
 
     def generate(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,

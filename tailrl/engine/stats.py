@@ -114,6 +114,8 @@ class GenerateStats:
     by_bucket: dict[int, list[float]] = field(default_factory=dict)  # batch-size bucket -> [decode tokens, seconds]
     plain_est_s: float = 0.0
     pred_s: float = 0.0  # the step-time model's seconds for the decode steps as they ran
+    off_body_s: float = 0.0  # SD-off estimate of the rollout's decode seconds from its own plain schedule (body,
+    off_tail_s: float = 0.0  # tail; 0: not estimated): Speculator.off_seconds
     probe_steps: int = 0  # decode steps that ran the arm not chosen (selector probes)
     tail_size: int = 0  # decode tokens and seconds while at most this many sequences run (the long tail, tail.py)
     tail_tokens: int = 0
@@ -185,7 +187,8 @@ class GenerateStats:
 
     @property
     def speedup_est(self) -> float:
-        return self.plain_est_s / self.decode_s if self.plain_est_s and self.decode_s else 1.0
+        off = self.off_body_s + self.off_tail_s or self.plain_est_s
+        return off / self.decode_s if off and self.decode_s else 1.0
 
     @property
     def mean_accept_length(self) -> float:
@@ -240,11 +243,16 @@ class GenerateStats:
         for counts in self.choices.values():
             for arm, n in counts.items():
                 arms[arm] = arms.get(arm, 0) + n
+        off = self.off_body_s + self.off_tail_s or self.plain_est_s
         out = {"spec/decode_tokens_per_s": tokens / self.decode_s if self.decode_s else 0.0,
-               "spec/off_tokens_per_s_est": tokens / self.plain_est_s,
+               "spec/off_tokens_per_s_est": tokens / off,
                "spec/probe_share": self.probe_steps / self.decode_steps}
         if self.pred_s:
             out["spec/pred_tokens_per_s"] = tokens / self.pred_s
+        if self.off_body_s + self.off_tail_s:  # from the rollout's own plain schedule (engine/tail.py's estimate aside)
+            body_s = self.decode_s - self.tail_s
+            out["spec/tail_speedup_est"] = self.off_tail_s / self.tail_s if self.tail_s else 1.0
+            out["spec/body_speedup_est"] = self.off_body_s / body_s if body_s > 0 else 1.0
         out.update({f"spec/arm_share/{arm}": n / self.decode_steps for arm, n in sorted(arms.items())})
         return out
 

@@ -180,7 +180,7 @@ class EngineRollout:
             if self.lender is not None and step is not None:
                 self.lender.stop()
         self.engine.end_rollout(comps.stats)
-        self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, n), **agent}
+        self._metrics = {**tail_metrics(records, n), **self._rollout_metrics(comps.stats), **agent}
         return comps
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
@@ -257,7 +257,7 @@ class EngineRollout:
             comps.stats = col.stats
             col.stats.total_s = time.perf_counter() - col.t0
         self.engine.end_rollout(comps.stats)
-        self._metrics = {**self._rollout_metrics(comps.stats), **tail_metrics(records, len(col.ids))}
+        self._metrics = {**tail_metrics(records, len(col.ids)), **self._rollout_metrics(comps.stats)}
         return comps, left
 
     def _unfinished(self) -> list[tuple[int, int, int]]:

@@ -229,4 +229,14 @@ class Selector:
                 self.accept[arm], self.drafted[arm] = Rate(), Rate()
 
     def end_rollout(self) -> None:
+        """A rollout ended: the next one has other drafts (this epoch's responses are history now) under other
+        weights. What was measured of acceptance counts half, and every bucket probes closely again: at 33-64
+        sequences no shadow draft measures a drafter (speculative/speculator.py SHADOW_MAX_BATCH), so without it a
+        drafter that starts paying in the next epoch was found only by probes 64 steps apart."""
         self.time.end_rollout()
+        for rates in (self.accept, self.drafted):
+            for r in rates.values():
+                r.total *= 0.5
+                r.weight *= 0.5
+        for p in self.probes.values():
+            p.interval, p.since = PROBE_MIN, 0
