@@ -70,8 +70,8 @@ class AgentLoop:
         engine step (the rollout feeds its lender, and so on). lock_step: the baseline of benchmarks/agent.py (TRL's
         loop): no trajectory resumes before every turn in flight has ended and every tool has answered."""
         t0 = time.perf_counter()
-        keep = self.cfg.keep_kv and hasattr(engine, "drop_kept")
-        kept0 = engine.kept_tokens if keep else 0
+        keep = self.cfg.keep_kv
+        kept0 = engine.kept_tokens
         base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop, keep_kv=keep) for p in params]
         trajs: list[Trajectory] = []
         owner: dict[int, tuple[Trajectory, SamplingParams]] = {}

@@ -21,7 +21,7 @@ from ..drafter.propose import LearnedDrafter
 from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
 from ..engine import Completions, Engine, EngineConfig, GenerateStats, SamplingParams
 from ..engine.tail import tail_metrics
-from .base import step_seed
+from .base import make_requests
 from .ray_cluster import cluster_rollout, make_cluster
 from .ray_worker import head_state, merge_heads
 from .weights import push_weights
@@ -132,50 +132,51 @@ class EngineRollout:
     def generate(self, examples: list, step: int, weights, last_step_s: float, gen_round: int = 0):
         """One step's samples, rollout.n per prompt, in (prompt, sample) order. weights(): the policy's state by
         name, called only with Ray workers (they take this step's weights before the rollout)."""
-        r = self.cfg.rollout
-        params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                 top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i, gen_round)) for i in range(len(examples))]
+        reqs = self._requests(examples, step, gen_round)
+        params = [q.params for q in reqs]
         if self.cluster is not None and self.agent is not None:  # each worker runs its prompts' trajectories
-            return self._cluster_agent_rollout(examples, params, weights)
+            return self._cluster_agent_rollout(reqs, weights)
         if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
-            comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
+            comps, cluster = cluster_rollout(self.cluster, weights(), [q.ids for q in reqs], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
             return comps
         if self.agent is not None:
-            return self._agent_rollout(examples, params, step, last_step_s)
-        ids = self.engine.add_requests([ex.ids for ex in examples], params)
+            return self._agent_rollout(reqs, step, last_step_s)
+        ids = self.engine.add_requests([q.ids for q in reqs], params)
         comps, _ = self._drive(ids, step, last_step_s, len(ids))
         return comps
 
-    def _cluster_agent_rollout(self, examples: list, params: list, weights=None):
+    def _requests(self, examples: list, step: int, gen_round: int = 0, greedy: bool = False) -> list:
+        c = self.cfg
+        return make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy, c.data.system_prompt)
+
+    def _cluster_agent_rollout(self, reqs: list, weights=None):
         """Multi-turn trajectories on the Ray workers (agent/remote.py): this step's weights first (none for the
         eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
         from ..agent.remote import cluster_agent_rollout
-        from ..tasks import chat_prompt
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs, params)
+        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [q.ids for q in reqs],
+                                             [q.messages for q in reqs], [q.params for q in reqs])
         self.engine.last_stats = comps.stats
         self._metrics = {**self._rollout_metrics(comps.stats), **agent, "timing_s/sync": sync_s,
                          "timing_s/cluster_rollout": time.perf_counter() - t}
         return comps
 
-    def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
+    def _agent_rollout(self, reqs: list, step: int | None = None, last_step_s: float = 0.0):
         """Multi-turn trajectories (agent/loop.py): the turn loop drives the engine and runs the tools."""
-        from ..tasks import chat_prompt
-
+        params = [q.params for q in reqs]
         n = sum(p.n for p in params)
         if self.spot is not None and step is not None:
             self.drafter_trainer.model.sync_head()
             self.lender.begin_step(step, last_step_s, n_seqs=n)
         on_step = (lambda out: self.lender.on_engine_step(self.engine.num_running, out.finished)) \
             if self.lender is not None and step is not None else None
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
         self.engine.last_stats = GenerateStats()
         try:
-            comps, records, agent = self.agent.run(self.engine, [ex.ids for ex in examples], msgs, params, on_step)
+            comps, records, agent = self.agent.run(self.engine, [q.ids for q in reqs], [q.messages for q in reqs],
+                                                   params, on_step)
         finally:
             if self.lender is not None and step is not None:
                 self.lender.stop()
@@ -272,11 +273,11 @@ class EngineRollout:
 
     def greedy(self, examples: list) -> list:
         """Greedy completions of examples (evaluation), rejected ones left out."""
-        greedy = SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens)
+        reqs = self._requests(examples, 0, greedy=True)
         if self.agent is not None:
-            comps = self._agent_rollout(examples, [greedy] * len(examples))
+            comps = self._agent_rollout(reqs)
         else:
-            comps = self.engine.generate([ex.ids for ex in examples], greedy)
+            comps = self.engine.generate([q.ids for q in reqs], [q.params for q in reqs])
         return [c for c in comps if c.finish_reason != "error"]
 
     def load_policy(self, policy: torch.nn.Module) -> int:

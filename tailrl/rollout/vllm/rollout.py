@@ -150,16 +150,13 @@ class VllmRollout:
     def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
-        from ...engine.sampling import SamplingParams
-        from ...tasks import chat_prompt
-        from ..base import step_seed
+        from ..base import make_requests
         from .turns import VllmTurns
 
-        r, seed = self.cfg.rollout, self.cfg.trainer.seed
-        params = [SamplingParams(n=n, max_tokens=r.max_tokens, temperature=temperature, top_k=r.top_k if temperature else 0,
-                                 top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
-                  for i in range(len(examples))]
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
+        c = self.cfg
+        reqs = make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy=temperature == 0,
+                             system_prompt=c.data.system_prompt, n=n)
+        params, msgs = [q.params for q in reqs], [q.messages for q in reqs]
         if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (agent/remote.py)
             from ...agent.remote import cluster_agent_rollout
 
