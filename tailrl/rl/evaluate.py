@@ -155,10 +155,10 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
         raise ValueError(str(e)) from e
     loop = None
-    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (agent/loop.py)
-        from ..agent.loop import AgentLoop
+    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (rollout/turns.py)
+        from ..rollout.turns import TurnLoop
 
-        loop = AgentLoop(cfg.agent, tokenizer)
+        loop = TurnLoop(cfg.agent, tokenizer)
     encode = loop.encode_prompt if loop is not None else engine.encode
     examples = fit_prompts(examples, encode, d.system_prompt, d.max_prompt_tokens, "eval")
     gen_n = 1 if temperature == 0 else n  # greedy: one completion stands for the n samples
@@ -167,11 +167,12 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     if loop is None:
         comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
     else:
+        from ..rollout.base import requests_of
         from ..tasks import chat_prompt
 
         try:
             msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]
-            comps, _, agent_metrics = loop.run(engine, [ex.ids for ex in examples], msgs, params)
+            comps, _, agent_metrics, _ = loop.run(engine, requests_of([ex.ids for ex in examples], params, msgs))
         finally:
             loop.close()
     name = reward or accuracy_name(cfg.reward.accuracy, cfg.reward.functions)

@@ -83,7 +83,7 @@ class VllmActor:
         return drawn, spec, time.perf_counter() - t
 
     def run(self, fn: str, *args):
-        """fn(engine, *args), fn a "module:function" (agent/remote.py's turn loop): the engine is this actor's LLM
+        """fn(engine, *args), fn a "module:function" (rollout/remote.py's turn loop): the engine is this actor's LLM
         behind the loop's engine calls (turns.py), so a trajectory stays on its actor across turns and vLLM's prefix
         cache holds its earlier turns."""
         import importlib

@@ -75,14 +75,14 @@ class VllmRollout:
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
-        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives vLLM's engine (turns.py)
+        self.agent = None  # agent.tools: the turn loop (rollout/turns.py) drives vLLM's engine (vllm/turns.py)
         if cfg.agent.enabled:
             if self.proposer:
                 raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
                                  "not built yet; set rollout.vllm_spec=off")
-            from ...agent.loop import AgentLoop
+            from ..turns import TurnLoop
 
-            self.agent = AgentLoop(cfg.agent, tokenizer)
+            self.agent = TurnLoop(cfg.agent, tokenizer)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -150,20 +150,20 @@ class VllmRollout:
     def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
-        from ..base import make_requests
+        from ..base import make_requests, requests_of
         from .turns import VllmTurns
 
         c = self.cfg
         reqs = make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy=temperature == 0,
                              system_prompt=c.data.system_prompt, n=n)
         params, msgs = [q.params for q in reqs], [q.messages for q in reqs]
-        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (agent/remote.py)
-            from ...agent.remote import cluster_agent_rollout
+        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rollout/remote.py)
+            from ..remote import cluster_agent_rollout
 
             comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,
                                                  params)
         else:
-            comps, records, agent = self.agent.run(VllmTurns(self.llm), [ex.ids for ex in examples], msgs, params)
+            comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), requests_of([ex.ids for ex in examples], params, msgs))
         st = comps.stats
         st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
         st.decode_s = st.total_s

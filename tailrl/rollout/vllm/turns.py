@@ -1,5 +1,5 @@
-"""Multi-turn tool rollouts on vLLM: the engine calls the agent's turn loop (agent/loop.py) makes of our engine,
-answered by vLLM's own LLMEngine, so the same loop runs on both backends.
+"""Multi-turn tool rollouts on vLLM: the `StepEngine` calls (rollout/base.py) the turn loop (rollout/turns.py)
+makes of our engine, answered by vLLM's own LLMEngine, so the same loop runs on both backends.
 
 Each turn is a request (add_request / step): a trajectory that stops at a tool call leaves vLLM's batch, its tool
 runs in the loop's pool while vLLM keeps stepping the others, and it comes back as a new request of all its ids so

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from ..config.agent import AgentConfig
 
-FN = "tailrl.agent.remote:worker_rollout"
+FN = "tailrl.rollout.remote:worker_rollout"
 
 
 def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
     """On a worker: (completions, agent metrics, GenerateStats) of these prompts' trajectories."""
-    from .loop import AgentLoop
+    from .base import requests_of
+    from .turns import TurnLoop
 
-    loop = AgentLoop(cfg, engine.tokenizer)
+    loop = TurnLoop(cfg, engine.tokenizer)
     try:
-        comps, _, metrics = loop.run(engine, prompts, msgs, params)
+        comps, _, metrics, _ = loop.run(engine, requests_of(prompts, params, msgs))
     finally:
         loop.close()
     engine.end_rollout(comps.stats)
