@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from ..config.agent import AgentConfig
 
-FN = "tailrl.rollout.remote:worker_rollout"
-
-
 def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
     """On a worker: (completions, agent metrics, GenerateStats) of these prompts' trajectories."""
     from .base import requests_of
@@ -40,7 +37,7 @@ def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, 
     parts = [p for p in split(len(prompts), cluster.num_workers) if p]
     args = {w: (cfg, [prompts[i] for i in idx], [msgs[i] for i in idx], [params[i] for i in idx])
             for w, idx in enumerate(parts)}
-    done = cluster.run_each(FN, args)
+    done = cluster.run_each(worker_rollout, args)  # the function itself travels (by reference), not its name
     by_prompt, metrics, stats, weights = {}, {}, [], []
     for w, idx in enumerate(parts):
         comps, m, st = done[w]
