@@ -58,7 +58,7 @@ def make_requests(examples: list, r: RolloutCfg, seed: int, step: int, gen_round
 def requests_of(prompts: list[list[int]], params: list[SamplingParams], messages: list | None = None,
                 labels: list[int] | None = None) -> list[Request]:
     """Requests from parallel lists (callers that hold ids and params already: eval, generate, workers)."""
-    return [Request(list(p), q, messages[i] if messages is not None else None, labels[i] if labels is not None else None)
+    return [Request(list(p), q, None if messages is None else messages[i], None if labels is None else labels[i])
             for i, (p, q) in enumerate(zip(prompts, params))]
 
 

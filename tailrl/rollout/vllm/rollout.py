@@ -150,20 +150,19 @@ class VllmRollout:
     def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
-        from ..base import make_requests, requests_of
+        from ..base import make_requests
         from .turns import VllmTurns
 
         c = self.cfg
         reqs = make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy=temperature == 0,
                              system_prompt=c.data.system_prompt, n=n)
-        params, msgs = [q.params for q in reqs], [q.messages for q in reqs]
         if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rollout/remote.py)
             from ..remote import cluster_agent_rollout
 
-            comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,
-                                                 params)
+            comps, agent = cluster_agent_rollout(self.cluster, c.agent, [q.ids for q in reqs],
+                                                 [q.messages for q in reqs], [q.params for q in reqs])
         else:
-            comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), requests_of([ex.ids for ex in examples], params, msgs))
+            comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), reqs)
         st = comps.stats
         st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
         st.decode_s = st.total_s
