@@ -71,6 +71,7 @@ def on_engine(a, folder, cfg, msgs, params, engine_cfg):
 def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
     from tailrl.cluster.rollout import ClusterRollout
     from tailrl.cluster.workers import WorkerSpec
+    from tailrl.rollout.base import requests_of
     from tailrl.rollout.remote import cluster_agent_rollout
 
     t0 = time.perf_counter()
@@ -78,9 +79,9 @@ def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
                              a.workers, local=a.local)
     start = time.perf_counter() - t0
     try:
-        cluster_agent_rollout(cluster, cfg, prompts[:1], msgs[:1], params[:1])  # warm each path once (not timed)
+        cluster_agent_rollout(cluster, cfg, requests_of(prompts[:1], params[:1], msgs[:1]))  # warm each path once (not timed)
         t = time.perf_counter()
-        comps, m = cluster_agent_rollout(cluster, cfg, prompts, msgs, params)
+        comps, m = cluster_agent_rollout(cluster, cfg, requests_of(prompts, params, msgs))
         wall = time.perf_counter() - t
     finally:
         cluster.shutdown()

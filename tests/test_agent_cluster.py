@@ -37,7 +37,7 @@ def test_two_workers_draw_the_trajectories_one_engine_draws(tmp_path):
     threads = torch.get_num_threads()
     cluster = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg, dtype="float32"), 2, local=True)
     try:
-        two, m_two = cluster_agent_rollout(cluster, cfg, prompts, msgs, params)
+        two, m_two = cluster_agent_rollout(cluster, cfg, requests_of(prompts, params, msgs))
     finally:
         cluster.shutdown()
         torch.set_num_threads(threads)  # an in-process worker sets its thread count for the whole process

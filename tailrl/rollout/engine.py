@@ -150,8 +150,7 @@ class EngineRollout:
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
-        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [q.ids for q in reqs],
-                                             [q.messages for q in reqs], [q.params for q in reqs])
+        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, reqs)
         self.engine.last_stats = comps.stats
         self._metrics = {**self._rollout_metrics(comps.stats), **agent, "timing_s/sync": sync_s,
                          "timing_s/cluster_rollout": time.perf_counter() - t}

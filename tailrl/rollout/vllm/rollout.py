@@ -159,8 +159,7 @@ class VllmRollout:
         if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rollout/remote.py)
             from ..remote import cluster_agent_rollout
 
-            comps, agent = cluster_agent_rollout(self.cluster, c.agent, [q.ids for q in reqs],
-                                                 [q.messages for q in reqs], [q.params for q in reqs])
+            comps, agent = cluster_agent_rollout(self.cluster, c.agent, reqs)
         else:
             comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), reqs)
         st = comps.stats
