@@ -3,7 +3,7 @@ off. Prints a table; results with command, date and CPU go to benchmarks/RESULTS
 
 The tool is a calculator that sleeps `--tool-s` seconds first (standing for a search API or a sandbox). Lock-step is
 TRL's GRPOTrainer loop: generate every trajectory's turn, then run every tool, then generate again (the same
-AgentLoop with `lock_step=True`, so both draw the very same trajectories: the script checks it). The SD rows run
+TurnLoop with `lock_step=True`, so both draw the very same trajectories: the script checks it). The SD rows run
 the overlapped loop with rollout.spec.mode auto and off on the batch-invariant engine (the same tokens, checked).
 Earlier epochs (--epochs) draw other seeds than the timed one, as RL's next epoch does: history drafts come from
 other samples of the same prompt, turn by turn, not from copies of the timed trajectories. Every row keeps a
@@ -26,7 +26,8 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.agent.calculator import calculator
 from tailrl.config.agent import AgentConfig
-from tailrl.agent.loop import AgentLoop
+from tailrl.rollout.base import requests_of
+from tailrl.rollout.turns import TurnLoop
 from tailrl.agent.tool import make_tool
 from tailrl.tasks import make_rows
 from tailrl.speculative.config import SpecConfig
@@ -60,7 +61,7 @@ def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns,
     """llm: a vllm.LLM to roll out on (rollout/vllm/turns.py) instead of our engine. keep_kv: our engine keeps a
     trajectory's K/V while its tool runs (agent.keep_kv), or re-prefills all its ids every turn."""
     tools = bench_tools(task)
-    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64, keep_kv=keep_kv),
+    loop = TurnLoop(AgentConfig(tools=list(tools), max_turns=max_turns, max_parallel_calls=64, keep_kv=keep_kv),
                      tok, tools=tools)
     if llm is not None:
         from tailrl.rollout.vllm.turns import VllmTurns
@@ -74,10 +75,10 @@ def rollout(model, tok, rows, n, max_tokens, spec, lock_step, epochs, max_turns,
     params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=0.7, seed=100 + i) for i in range(len(rows))]
     for e in range(1, epochs):  # earlier epochs, other seeds (RL draws new samples): the history drafter's index
         earlier = [dataclasses.replace(p, seed=p.seed + 1000 * e) for p in params]
-        loop.run(eng, prompts, msgs, earlier, lock_step=lock_step)
+        loop.run(eng, requests_of(prompts, earlier, msgs), lock_step=lock_step)
         eng.end_rollout()
     t = time.perf_counter()
-    comps, records, m = loop.run(eng, prompts, msgs, params, lock_step=lock_step)
+    comps, records, m, _ = loop.run(eng, requests_of(prompts, params, msgs), lock_step=lock_step)
     wall = time.perf_counter() - t
     for kind in ("prefill", "decode"):  # the engine's seconds by pass kind; the rest of the wall waited on tools
         m[f"{kind}_s"] = sum(r.total_s for r in records if r.kind == kind)

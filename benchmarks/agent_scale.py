@@ -1,8 +1,8 @@
 """The same agent rollout on our engine, on 2 rollout workers (Ray actors) and on vLLM, side by side (issue 65).
 
-One rollout of `--task` prompts through the agent's turn loop (agent/loop.py) with a calculator that sleeps
+One rollout of `--task` prompts through the agent's turn loop (rollout/turns.py) with a calculator that sleeps
 `--tool-s` seconds first (a search API's or a sandbox's latency): on one engine in this process, split over
-`--workers` Ray actors (agent/remote.py: each worker runs its prompts' trajectories to their end, so a trajectory
+`--workers` Ray actors (rollout/remote.py: each worker runs its prompts' trajectories to their end, so a trajectory
 stays on its worker across turns), and on vLLM (rollout/vllm/turns.py: a request per turn, prefix cache). Our
 engine is batch-invariant, so one engine and the workers must draw the very same trajectories (checked); vLLM's
 kernels are its own, so its row reports its own trajectories' structure (calls, turns, masked share).
@@ -52,15 +52,16 @@ def setup(a):
 def on_engine(a, folder, cfg, msgs, params, engine_cfg):
     from tailrl.engine import Engine
     from tailrl.model import load_model
-    from tailrl.agent.loop import AgentLoop
+    from tailrl.rollout.base import requests_of
+    from tailrl.rollout.turns import TurnLoop
 
     model, tok = load_model(folder, device="cpu", dtype=torch.bfloat16)
-    loop = AgentLoop(cfg, tok)
+    loop = TurnLoop(cfg, tok)
     prompts = [loop.encode_prompt(m) for m in msgs]
     eng = Engine(model, tok, engine_cfg)
     try:
         t = time.perf_counter()
-        comps, _, m = loop.run(eng, prompts, msgs, params)
+        comps, _, m, _ = loop.run(eng, requests_of(prompts, params, msgs))
         wall = time.perf_counter() - t
     finally:
         loop.close()
@@ -70,16 +71,17 @@ def on_engine(a, folder, cfg, msgs, params, engine_cfg):
 def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
     from tailrl.cluster.rollout import ClusterRollout
     from tailrl.cluster.workers import WorkerSpec
-    from tailrl.agent.remote import cluster_agent_rollout
+    from tailrl.rollout.base import requests_of
+    from tailrl.rollout.remote import cluster_agent_rollout
 
     t0 = time.perf_counter()
     cluster = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg, dtype="bfloat16", threads=a.worker_threads),
                              a.workers, local=a.local)
     start = time.perf_counter() - t0
     try:
-        cluster_agent_rollout(cluster, cfg, prompts[:1], msgs[:1], params[:1])  # warm each path once (not timed)
+        cluster_agent_rollout(cluster, cfg, requests_of(prompts[:1], params[:1], msgs[:1]))  # warm each path once (not timed)
         t = time.perf_counter()
-        comps, m = cluster_agent_rollout(cluster, cfg, prompts, msgs, params)
+        comps, m = cluster_agent_rollout(cluster, cfg, requests_of(prompts, params, msgs))
         wall = time.perf_counter() - t
     finally:
         cluster.shutdown()
@@ -88,19 +90,20 @@ def on_workers(a, folder, cfg, msgs, params, prompts, engine_cfg):
 
 def on_vllm(a, folder, cfg, msgs, params, prompts):
     from transformers import AutoTokenizer
-    from tailrl.agent.loop import AgentLoop
+    from tailrl.rollout.base import requests_of
+    from tailrl.rollout.turns import TurnLoop
     from tailrl.rollout.vllm.llm import make_llm
     from tailrl.rollout.vllm.turns import VllmTurns
 
     t0 = time.perf_counter()
     llm = make_llm(folder, "bfloat16", 0, 1024, max_num_seqs=64)
     start = time.perf_counter() - t0
-    loop = AgentLoop(cfg, AutoTokenizer.from_pretrained(folder))
+    loop = TurnLoop(cfg, AutoTokenizer.from_pretrained(folder))
     try:
         eng = VllmTurns(llm)
-        loop.run(eng, prompts[:1], msgs[:1], params[:1])  # warm-up (not timed)
+        loop.run(eng, requests_of(prompts[:1], params[:1], msgs[:1]))  # warm-up (not timed)
         t = time.perf_counter()
-        comps, _, m = loop.run(eng, prompts, msgs, params)
+        comps, _, m, _ = loop.run(eng, requests_of(prompts, params, msgs))
         wall = time.perf_counter() - t
     finally:
         loop.close()

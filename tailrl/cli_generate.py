@@ -78,18 +78,19 @@ def engine_backend(args, model, tokenizer, sampling, config):
     header = (f"batch invariance: {'on' if engine.runner.invariant else 'off'}"
               + (f" (probe {v.summary()}, {v.seconds:.2f} s)" if v is not None else " (not probed: fp32 or CUDA with auto)"))
 
-    if args.tools:  # the agent's turn loop on the engine, the tools beside it (agent/loop.py)
+    if args.tools:  # the turn loop on the engine, the tools beside it (rollout/turns.py)
         from .config.agent import AgentConfig
-        from .agent.loop import AgentLoop
+        from .rollout.base import requests_of
+        from .rollout.turns import TurnLoop
 
         if tokenizer is None or not getattr(tokenizer, "chat_template", None) or args.no_chat:
             raise ValueError("--tools needs chat prompts: a model with a chat template, without --no-chat")
-        loop = AgentLoop(AgentConfig(tools=list(args.tools), max_turns=args.max_turns), tokenizer)
+        loop = TurnLoop(AgentConfig(tools=list(args.tools), max_turns=args.max_turns), tokenizer)
 
         def generate(prompts):
             msgs = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
             ids = [loop.encode_prompt(m) for m in msgs]
-            comps, _, _ = loop.run(engine, ids, msgs, [sampling] * len(ids))
+            comps = loop.run(engine, requests_of(ids, [sampling] * len(ids), msgs)).completions
             engine.end_rollout(comps.stats)
             return comps, comps.stats
 

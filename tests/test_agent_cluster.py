@@ -1,4 +1,4 @@
-"""The agent's turn loop on rollout workers (agent/remote.py): each worker runs its prompts' trajectories to their
+"""The agent's turn loop on rollout workers (rollout/remote.py): each worker runs its prompts' trajectories to their
 end, and on the batch-invariant engine the split changes nothing: the very trajectories one engine draws."""
 
 import pytest
@@ -9,8 +9,9 @@ from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.config.agent import AgentConfig
-from tailrl.agent.loop import AgentLoop
-from tailrl.agent.remote import cluster_agent_rollout, split
+from tailrl.rollout.base import requests_of
+from tailrl.rollout.remote import cluster_agent_rollout, split
+from tailrl.rollout.turns import TurnLoop
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
@@ -27,16 +28,16 @@ def test_two_workers_draw_the_trajectories_one_engine_draws(tmp_path):
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
     params = [SamplingParams(n=4, max_tokens=40, temperature=1.0, seed=11 + i) for i in range(3)]
     model, tok = load_model(folder, device="cpu", dtype=torch.float32)
-    loop = AgentLoop(cfg, tok)
+    loop = TurnLoop(cfg, tok)
     prompts = [loop.encode_prompt(m) for m in msgs]
     try:
-        one, _, m_one = loop.run(Engine(model, tok, engine_cfg), prompts, msgs, params)
+        one, _, m_one, _ = loop.run(Engine(model, tok, engine_cfg), requests_of(prompts, params, msgs))
     finally:
         loop.close()
     threads = torch.get_num_threads()
     cluster = ClusterRollout(WorkerSpec(model=folder, engine=engine_cfg, dtype="float32"), 2, local=True)
     try:
-        two, m_two = cluster_agent_rollout(cluster, cfg, prompts, msgs, params)
+        two, m_two = cluster_agent_rollout(cluster, cfg, requests_of(prompts, params, msgs))
     finally:
         cluster.shutdown()
         torch.set_num_threads(threads)  # an in-process worker sets its thread count for the whole process

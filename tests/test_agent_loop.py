@@ -11,7 +11,8 @@ from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.config.agent import AgentConfig
 from tailrl.agent.formats import HermesFormat, TagsFormat
-from tailrl.agent.loop import AgentLoop
+from tailrl.rollout.base import requests_of
+from tailrl.rollout.turns import TurnLoop
 from tailrl.agent.toolbox import load_tools
 from tailrl.speculative.config import SpecConfig
 from tests.conftest import TOOL_WORDS, make_tiny_chat_model
@@ -90,14 +91,14 @@ def run_loop(model_tok, spec: str, tools=("calculator",), max_turns=3, n=4, epoc
              invariant=True):
     """epochs > 1: the same prompts again on the same engine (new seeds, as RL's next epoch), history kept."""
     model, tok = model_tok
-    loop = AgentLoop(AgentConfig(tools=list(tools), max_turns=max_turns, keep_kv=keep_kv), tok)
+    loop = TurnLoop(AgentConfig(tools=list(tools), max_turns=max_turns, keep_kv=keep_kv), tok)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=kv_gb, batch_invariant=invariant, seed=0,
                                           spec=SpecConfig(mode=spec, min_match=1)))
     msgs = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
     prompts = [loop.encode_prompt(m) for m in msgs]
     for e in range(epochs):
         params = [SamplingParams(n=n, max_tokens=40, temperature=1.0, seed=11 + i + 100 * e) for i in range(len(msgs))]
-        comps, records, metrics = loop.run(eng, prompts, msgs, params)
+        comps, records, metrics, _ = loop.run(eng, requests_of(prompts, params, msgs))
         loop.parked_after = len(eng.scheduler.parked)  # kept K/V of ended trajectories is dropped at once
         eng.end_rollout(comps.stats)
     loop.close()

@@ -45,17 +45,18 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
     model's log p of it given the trajectory so far (T = 1, no warping), within TOL; observation tokens are mask 0."""
     from tailrl.engine import SamplingParams
     from tailrl.config.agent import AgentConfig
-    from tailrl.agent.loop import AgentLoop
+    from tailrl.rollout.base import requests_of
+    from tailrl.rollout.turns import TurnLoop
     from tailrl.rollout.vllm.turns import VllmTurns
     folder = chat_folder
     llm = make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=16)
     model, tok = load_model(folder, device="cpu", dtype=torch.float32)
-    loop = AgentLoop(AgentConfig(tools=["calculator"], max_turns=3), tok)
+    loop = TurnLoop(AgentConfig(tools=["calculator"], max_turns=3), tok)
     msgs = [[{"role": "user", "content": f"{a} + {b}"}] for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
     prompts = [loop.encode_prompt(m) for m in msgs]
     params = [SamplingParams(n=4, max_tokens=40, temperature=1.0, seed=11 + i) for i in range(4)]
     try:
-        comps, _, m = loop.run(VllmTurns(llm), prompts, msgs, params)
+        comps, _, m, _ = loop.run(VllmTurns(llm), requests_of(prompts, params, msgs))
     finally:
         loop.close()
     assert len(comps) == 16 and m["agent/tool_calls"] > 0 and any(c.trajectory["turns"] > 1 for c in comps)
@@ -64,7 +65,7 @@ def test_tool_trajectories_on_vllm_keep_sampled_ids_mask_observations_and_logpro
 
 def test_two_ray_actors_run_the_turn_loop_each_on_its_prompts(chat_folder):
     """agent.tools with rollout.backend=vllm and rollout.workers=2: each actor runs its prompts' trajectories to their
-    end (VllmActor.run, agent/remote.py); they come back in (prompt, sample) order, from both actors, with tool
+    end (VllmActor.run, rollout/remote.py); they come back in (prompt, sample) order, from both actors, with tool
     calls, masked observations and our model's logprobs of the model's tokens (a trajectory merged under the wrong
     prompt would not match)."""
     from types import SimpleNamespace

@@ -67,7 +67,7 @@ class ClusterRollout:
             log.warning("worker %d failed to load weights (%s); it restarts at the next step", w, why)
         return time.perf_counter() - t
 
-    def run_each(self, fn: str, args: dict[int, tuple]) -> dict[int, object]:
+    def run_each(self, fn, args: dict[int, tuple]) -> dict[int, object]:
         """fn(engine, *args[w]) on each worker w at once (RolloutWorker.run); a worker that fails or times out is a
         RuntimeError naming it: the caller's work is not silently lost."""
         live = set(self._live())

@@ -139,11 +139,11 @@ class RolloutWorker:
         spent = self.idle.train(max_s) if self.idle is not None else 0.0
         return RoundOut([], {}, self.engine.num_running, self.engine.num_waiting, 0.0, 0, spent)
 
-    def run(self, fn: str, *args):
-        """fn(engine, *args) of a "module:function" the caller names, on this worker's engine: work the layers above
-        drive themselves (the agent's turn loop, tools and all, for the trajectories placed here)."""
-        module, name = fn.split(":")
-        return getattr(importlib.import_module(module), name)(self.engine, *args)
+    def run(self, fn, *args):
+        """fn(engine, *args) on this worker's engine, fn a function the caller hands over (pickled by reference to
+        its module, never named by string): work the layers above drive themselves (rollout/remote.py: the turn
+        loop, tools and all, for the trajectories placed here)."""
+        return fn(self.engine, *args)
 
     def export(self, ids: list[int]) -> list:
         with torch.inference_mode():  # removing a running sequence moves KV rows of the engine's cache

@@ -26,7 +26,7 @@ from .actor.lora_io import is_adapter, load_any
 from .checkpoint.store import candidates
 from .data import fit_prompts, load_datasets, peek_rows, read_table, to_examples
 from .rewards.builtin import accuracy_name, extract_answer
-from ..tasks import TASKS
+from ..tasks import TASKS, chat_prompt
 from .rewards.verl import adopt_verl
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,9 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
 
     from ..drafter.compose import make_speculator
     from ..engine import Engine, EngineConfig, SamplingParams
+    from ..engine.stats import progress_bar
+    from ..rollout.base import requests_of
+    from ..rollout.turns import TurnLoop
     from .rewards.runner import RewardRunner
 
     cfg = src.cfg
@@ -154,26 +157,22 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
             make_speculator(spec))
     except RuntimeError as e:  # batch_invariant=true where the engine's start-up probe found the kernels vary
         raise ValueError(str(e)) from e
-    loop = None
-    if cfg.agent.enabled:  # a tools run: its held-out prompts run the same turn loop, tools and all (agent/loop.py)
-        from ..agent.loop import AgentLoop
-
-        loop = AgentLoop(cfg.agent, tokenizer)
-    encode = loop.encode_prompt if loop is not None else engine.encode
+    # one turn loop for both (rollout/turns.py): with agent.tools the held-out prompts run the tools as in training
+    loop = TurnLoop(cfg.agent, tokenizer)
+    encode = loop.encode_prompt if loop.turns is not None else engine.encode
     examples = fit_prompts(examples, encode, d.system_prompt, d.max_prompt_tokens, "eval")
     gen_n = 1 if temperature == 0 else n  # greedy: one completion stands for the n samples
     params = [SamplingParams(n=gen_n, max_tokens=max_tokens, temperature=temperature, top_p=r.top_p if temperature else 1.0,
                              top_k=r.top_k if temperature else 0, seed=seed * 1_000_003 + i) for i in range(len(examples))]
-    if loop is None:
-        comps = engine.generate([ex.ids for ex in examples], params, progress=progress)
-    else:
-        from ..tasks import chat_prompt
-
-        try:
-            msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]
-            comps, _, agent_metrics = loop.run(engine, [ex.ids for ex in examples], msgs, params)
-        finally:
-            loop.close()
+    msgs = [chat_prompt(ex.prompt, d.system_prompt) for ex in examples]
+    try:
+        with progress_bar(gen_n * len(examples), progress and loop.turns is None) as bar:
+            comps, _, agent_metrics, _ = loop.run(engine, requests_of([ex.ids for ex in examples], params, msgs),
+                                                  on_step=lambda out: bar.update(len(out.finished)))
+    finally:
+        loop.close()
+    if loop.turns is None:  # the rollout ended: the history drafter keeps its responses, as Engine.generate does
+        engine.end_rollout(comps.stats)
     name = reward or accuracy_name(cfg.reward.accuracy, cfg.reward.functions)
     runner = RewardRunner([name], timeout_s=cfg.reward.timeout_s, max_failed_steps=10**9)
     try:
@@ -202,7 +201,7 @@ def run_eval(src: Source, examples: list, n: int, temperature: float, max_tokens
     summary = summarize(groups, n)
     summary.update({"reward": name, "rejected": rejected, "reward_errors": stats.errors + stats.timeouts,
                     "tokens_per_s": comps.stats.tokens_per_s, "accept_length": comps.stats.metrics().get("spec/accept_length")})
-    if loop is not None:
+    if loop.turns is not None:
         summary.update({k.split("/", 1)[1]: agent_metrics[k] for k in ("agent/tool_calls", "agent/turns",
                                                                        "agent/tool_errors") if k in agent_metrics})
     return summary

@@ -31,10 +31,9 @@ from .actor.forward import make_batch, mask_truncated
 from .guards import StepGuard, check_rollout_labels
 from .rewards.rewarder import Rewarder
 from ..rollout.base import Rollout
-from ..rollout.base import step_seed
+from ..rollout.base import step_params
 from ..rollout.engine import make_rollout
 from ..rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
-from ..engine import SamplingParams
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
 from .rewards.verl import adopt_verl, warn_unknown_sources
@@ -223,8 +222,7 @@ class Trainer:
         carried = list(buf.groups)
         new = []
         for j, i in enumerate(self.loader.next(launch_count(r.partial_oversample, need, len(buf.groups)))):
-            params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                    top_k=r.top_k, seed=step_seed(cfg.trainer.seed, self.step, j, gen_round))
+            params = step_params(r, cfg.trainer.seed, self.step, j, gen_round)
             new.append((buf.launch(i, self.train_set[i].ids, params, v, self.rollout.start_state), params))
         m, stop = {}, None
         if buf.complete_count() < need:

@@ -8,15 +8,94 @@ run, N rollout workers and N trainer ranks sample what the one-process run sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
 import torch
+
+from ..config import RolloutCfg
+from ..engine.sampling import SamplingParams
+from ..tasks import chat_prompt
 
 
 def step_seed(seed: int, step: int, prompt: int, gen_round: int = 0) -> int:
     """Rollout seeds depend only on (run seed, step, prompt, and the step's sampling round with dynamic sampling):
     a resumed run samples what the original would."""
     return (seed * 1_000_003 + step) * 1_000_033 + prompt * 997 + gen_round * 2_654_435_761
+
+
+def step_params(r: RolloutCfg, seed: int, step: int, prompt: int, gen_round: int = 0, greedy: bool = False,
+                n: int | None = None) -> SamplingParams:
+    """One prompt's sampling in a step, the one place rollout.* becomes SamplingParams: rollout.n samples (n: another
+    count) at the step's seed. greedy: temperature 0 with top-k and top-p off (the evaluation), one sample."""
+    if greedy:
+        return SamplingParams(n=n or 1, max_tokens=r.max_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                              seed=step_seed(seed, step, prompt, gen_round))
+    return SamplingParams(n=r.n if n is None else n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, seed=step_seed(seed, step, prompt, gen_round))
+
+
+@dataclass
+class Request:
+    """One prompt of a rollout as every backend and the turn loop take it: its token ids, its sampling (params.n
+    samples), its conversation (what a tool run's trajectories start from) and its label (the engine's prompt index:
+    a partial rollout's group id; None: its place in the batch)."""
+
+    ids: list[int]
+    params: SamplingParams
+    messages: list[dict] | None = None
+    label: int | None = None
+
+
+def make_requests(examples: list, r: RolloutCfg, seed: int, step: int, gen_round: int = 0, greedy: bool = False,
+                  system_prompt: str = "", n: int | None = None) -> list[Request]:
+    """A step's requests, one per example (prompt i seeded by step_seed(seed, step, i, gen_round)): built here once
+    for every path (single-turn and tools, in process, on workers and on vLLM)."""
+    return [Request(list(ex.ids), step_params(r, seed, step, i, gen_round, greedy, n),
+                    chat_prompt(ex.prompt, system_prompt)) for i, ex in enumerate(examples)]
+
+
+def requests_of(prompts: list[list[int]], params: list[SamplingParams], messages: list | None = None,
+                labels: list[int] | None = None) -> list[Request]:
+    """Requests from parallel lists (callers that hold ids and params already: eval, generate, workers)."""
+    return [Request(list(p), q, None if messages is None else messages[i], None if labels is None else labels[i])
+            for i, (p, q) in enumerate(zip(prompts, params))]
+
+
+class StepEngine(Protocol):
+    """What the turn loop (turns.py) drives: our `Engine` (engine/engine.py) and vLLM's turns adapter
+    (vllm/turns.py). Requests go in, `step()` runs one batch and returns its finished completions and its record;
+    the loop never reaches further into an engine than this."""
+
+    tokenizer: object
+
+    def add_requests(self, prompts: list, sampling: SamplingParams | list[SamplingParams] | None = None,
+                     prompt_indices: list[int] | None = None) -> list[int]:
+        """Queues each prompt's n samples; returns their sequence ids in (prompt, sample) order."""
+
+    def has_work(self) -> bool: ...
+
+    def step(self):
+        """One batch: an object with .finished (Completions) and .record (a StepRecord)."""
+
+    def collector(self, ids: list[int]):
+        """An engine.stats.Collector of these ids' completions and stats (what a progress line reads)."""
+
+    def unfinished_ids(self) -> list[int]: ...
+
+    def export(self, ids: list[int]) -> list:
+        """Takes unfinished sequences out as states `import_` continues exactly (partial rollouts)."""
+
+    def import_(self, states: list) -> list[int]: ...
+
+    def drop_kept(self, ids: list[int]) -> None:
+        """Frees K/V parked for these finished sequences (SamplingParams.keep_kv); a no-op where none is parked."""
+
+    @property
+    def kept_tokens(self) -> int:
+        """Positions resumed requests did not prefill because their K/V was kept (0 where the engine keeps none)."""
+
+    def end_rollout(self, stats=None) -> None: ...
 
 
 class Rollout(Protocol):

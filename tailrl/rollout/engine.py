@@ -19,11 +19,12 @@ from ..drafter.compose import make_speculator
 from ..drafter.eagle import EagleDrafter, load_drafter
 from ..drafter.propose import LearnedDrafter
 from ..drafter.train import DrafterTrainer, SpotLender, SpotTrainer
-from ..engine import Completions, Engine, EngineConfig, GenerateStats, SamplingParams
+from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.tail import tail_metrics
-from .base import step_seed
+from .base import make_requests, requests_of
 from .ray_cluster import cluster_rollout, make_cluster
 from .ray_worker import head_state, merge_heads
+from .turns import TurnLoop
 from .weights import push_weights
 
 
@@ -71,11 +72,8 @@ class EngineRollout:
             max_model_len=min(cfg.data.max_prompt_tokens + r.max_tokens, engine_model.config.max_position_embeddings)),
             make_speculator(r.spec, LearnedDrafter(self.head, cfg.drafter) if self.head is not None else None))
         self.cluster = make_cluster(cfg, self.engine.config)  # rollout.workers > 1: Ray rollout workers
-        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives the engine
-        if cfg.agent.enabled:
-            from ..agent.loop import AgentLoop
-
-            self.agent = AgentLoop(cfg.agent, tokenizer)
+        self.loop = TurnLoop(cfg.agent, tokenizer)  # the turn loop (turns.py) drives the engine, tools or none
+        self.agent = self.loop.turns  # agent.tools: a trajectory's turns (tool_turns.py); None: single-turn
         self._metrics: dict = {}  # the last rollout's (metrics())
 
     @property
@@ -94,7 +92,7 @@ class EngineRollout:
 
     def encode(self, prompt) -> list[int]:
         if self.agent is not None and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.agent.encode_prompt(prompt)  # hermes: the tools' schemas in the prompt
+            return self.loop.encode_prompt(prompt)  # hermes: the tools' schemas in the prompt
         return self.engine.encode(prompt)
 
     def progress(self) -> tuple[int, int]:
@@ -122,8 +120,7 @@ class EngineRollout:
         return spec.drafters.get("history") if spec is not None else None
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
+        self.loop.close()
         if self.cluster is not None:
             self.cluster.shutdown()
         if self.spot is not None:
@@ -132,55 +129,31 @@ class EngineRollout:
     def generate(self, examples: list, step: int, weights, last_step_s: float, gen_round: int = 0):
         """One step's samples, rollout.n per prompt, in (prompt, sample) order. weights(): the policy's state by
         name, called only with Ray workers (they take this step's weights before the rollout)."""
-        r = self.cfg.rollout
-        params = [SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                                 top_k=r.top_k, seed=step_seed(self.cfg.trainer.seed, step, i, gen_round)) for i in range(len(examples))]
+        reqs = self._requests(examples, step, gen_round)
+        params = [q.params for q in reqs]
         if self.cluster is not None and self.agent is not None:  # each worker runs its prompts' trajectories
-            return self._cluster_agent_rollout(examples, params, weights)
+            return self._cluster_agent_rollout(reqs, weights)
         if self.cluster is not None:  # this step's weights (and drafter head) to the workers, then their rollout
-            comps, cluster = cluster_rollout(self.cluster, weights(), [ex.ids for ex in examples], params, head=self.head)
+            comps, cluster = cluster_rollout(self.cluster, weights(), [q.ids for q in reqs], params, head=self.head)
             self._metrics = {**self._rollout_metrics(comps.stats), **cluster}
             return comps
-        if self.agent is not None:
-            return self._agent_rollout(examples, params, step, last_step_s)
-        ids = self.engine.add_requests([ex.ids for ex in examples], params)
-        comps, _ = self._drive(ids, step, last_step_s, len(ids))
-        return comps
+        return self._run(reqs, step, last_step_s).completions
 
-    def _cluster_agent_rollout(self, examples: list, params: list, weights=None):
-        """Multi-turn trajectories on the Ray workers (agent/remote.py): this step's weights first (none for the
+    def _requests(self, examples: list, step: int, gen_round: int = 0, greedy: bool = False) -> list:
+        c = self.cfg
+        return make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy, c.data.system_prompt)
+
+    def _cluster_agent_rollout(self, reqs: list, weights=None):
+        """Multi-turn trajectories on the Ray workers (remote.py): this step's weights first (none for the
         eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
-        from ..agent.remote import cluster_agent_rollout
-        from ..tasks import chat_prompt
+        from .remote import cluster_agent_rollout
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs, params)
+        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, reqs)
         self.engine.last_stats = comps.stats
         self._metrics = {**self._rollout_metrics(comps.stats), **agent, "timing_s/sync": sync_s,
                          "timing_s/cluster_rollout": time.perf_counter() - t}
-        return comps
-
-    def _agent_rollout(self, examples: list, params: list, step: int | None = None, last_step_s: float = 0.0):
-        """Multi-turn trajectories (agent/loop.py): the turn loop drives the engine and runs the tools."""
-        from ..tasks import chat_prompt
-
-        n = sum(p.n for p in params)
-        if self.spot is not None and step is not None:
-            self.drafter_trainer.model.sync_head()
-            self.lender.begin_step(step, last_step_s, n_seqs=n)
-        on_step = (lambda out: self.lender.on_engine_step(self.engine.num_running, out.finished)) \
-            if self.lender is not None and step is not None else None
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        self.engine.last_stats = GenerateStats()
-        try:
-            comps, records, agent = self.agent.run(self.engine, [ex.ids for ex in examples], msgs, params, on_step)
-        finally:
-            if self.lender is not None and step is not None:
-                self.lender.stop()
-        self.engine.end_rollout(comps.stats)
-        self._metrics = {**tail_metrics(records, n), **self._rollout_metrics(comps.stats), **agent}
         return comps
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
@@ -192,9 +165,9 @@ class EngineRollout:
         sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate."""
         if self.cluster is not None:
             return self._cluster_partial(prompts, params, labels, states, done, weights)
-        ids = self.engine.import_(states) + self.engine.add_requests(prompts, params, labels)
-        comps, left = self._drive(ids, step, last_step_s, sum(p.n for p in params) + len(states), done)
-        return comps, left, []
+        reqs = requests_of(prompts, params, labels=labels)
+        out = self._run(reqs, step, last_step_s, lambda fin: done(fin, self._unfinished), states)
+        return out.completions, out.left, []
 
     def _cluster_partial(self, prompts, params, labels, states, done, weights):
         """The partial rollout on Ray workers: this step's weights first, then the driver's rounds until `done`;
@@ -228,37 +201,28 @@ class EngineRollout:
         max_tokens = min(params.max_tokens, self.engine.max_model_len - len(prompt_ids))
         return SeqState(label, j, list(prompt_ids), [], [], dataclasses.replace(params, n=1), seed, max_tokens, stop)
 
-    def _drive(self, ids: list[int], step: int, last_step_s: float, n_seqs: int, done=None):
-        """Runs the engine over `ids` until they finish, or until `done` (told of each finished completion) says
-        the step has enough: then the rest are exported. Returns (completions, exported states)."""
-        if self.spot is not None:
+    def _run(self, reqs: list, step: int | None, last_step_s: float = 0.0, done=None, states: list | None = None,
+             record: bool = True):
+        """The turn loop (turns.py) over the engine, single-turn or with tools; between steps the lender feeds the
+        drafter buffer and lends threads in the long tail (step None: no lending, the evaluation). done and states:
+        a partial rollout's (turns.py). record: this rollout's metrics become metrics()'s. Returns the TurnsOut."""
+        n_seqs = sum(q.params.n for q in reqs) + len(states or [])
+        lend = self.lender is not None and step is not None
+        if lend:
             self.drafter_trainer.model.sync_head()
             self.lender.begin_step(step, last_step_s, n_seqs=n_seqs)
-        col = self.engine.collector(ids)
-        records = []  # the rollout's tail metrics (tail.py) come from its step records
-        left = []
+        on_step = (lambda out: self.lender.on_engine_step(self.engine.num_running, out.finished)) if lend else None
         try:
-            while self.engine.has_work():  # between steps: feed the drafter buffer, lend threads in the long tail
-                out = self.engine.step()
-                col.add(out)
-                records.append(out.record)
-                if self.lender is not None:
-                    self.lender.on_engine_step(self.engine.num_running, out.finished)
-                if done is not None and done(out.finished, self._unfinished):
-                    left = self.engine.export(self.engine.unfinished_ids())
-                    break
+            out = self.loop.run(self.engine, reqs, on_step, done, states)
         finally:
-            if self.lender is not None:
+            if lend:
                 self.lender.stop()
-        if done is None:
-            comps = col.result()  # sets the wall time, which tokens_per_s divides by
-        else:  # the finished ones, in the order they finished
-            comps = Completions(col.done.values())
-            comps.stats = col.stats
-            col.stats.total_s = time.perf_counter() - col.t0
-        self.engine.end_rollout(comps.stats)
-        self._metrics = {**tail_metrics(records, len(col.ids)), **self._rollout_metrics(comps.stats)}
-        return comps, left
+        self.engine.end_rollout(out.completions.stats)
+        if record:  # the rollout's tail metrics (tail.py) come from its step records; the stats' SD-off estimate
+            # (the rollout's own plain schedule, Speculator.off_seconds) wins over tail.py's per-step one
+            self._metrics = {**tail_metrics(out.records, n_seqs), **self._rollout_metrics(out.completions.stats),
+                             **out.metrics}
+        return out
 
     def _unfinished(self) -> list[tuple[int, int, int]]:
         """(label, sample, tokens so far) of the engine's running and waiting sequences."""
@@ -272,11 +236,8 @@ class EngineRollout:
 
     def greedy(self, examples: list) -> list:
         """Greedy completions of examples (evaluation), rejected ones left out."""
-        greedy = SamplingParams(temperature=0, max_tokens=self.cfg.rollout.max_tokens)
-        if self.agent is not None:
-            comps = self._agent_rollout(examples, [greedy] * len(examples))
-        else:
-            comps = self.engine.generate([ex.ids for ex in examples], greedy)
+        reqs = self._requests(examples, 0, greedy=True)
+        comps = self._run(reqs, None, record=self.agent is not None).completions
         return [c for c in comps if c.finish_reason != "error"]
 
     def load_policy(self, policy: torch.nn.Module) -> int:

@@ -82,16 +82,13 @@ class VllmActor:
         drawn, spec = draw(self.llm, prompts, params, self.proposer)
         return drawn, spec, time.perf_counter() - t
 
-    def run(self, fn: str, *args):
-        """fn(engine, *args), fn a "module:function" (agent/remote.py's turn loop): the engine is this actor's LLM
-        behind the loop's engine calls (turns.py), so a trajectory stays on its actor across turns and vLLM's prefix
-        cache holds its earlier turns."""
-        import importlib
-
+    def run(self, fn, *args):
+        """fn(engine, *args), fn a function the caller hands over (rollout/remote.py's turn loop, pickled by
+        reference): the engine is this actor's LLM behind the loop's engine calls (turns.py), so a trajectory stays
+        on its actor across turns and vLLM's prefix cache holds its earlier turns."""
         from .turns import VllmTurns
 
-        module, _, name = fn.partition(":")
-        return getattr(importlib.import_module(module), name)(VllmTurns(self.llm), *args)
+        return fn(VllmTurns(self.llm), *args)
 
     def prompt_logprobs(self, seq: list[int]) -> list[float]:
         """log p(seq[t] | seq[:t]), t >= 1, under this actor's weights: how a weight sync is checked."""
@@ -148,7 +145,7 @@ class VllmCluster:
     def num_workers(self) -> int:
         return len(self.handles)
 
-    def run_each(self, fn: str, args: dict[int, tuple]) -> dict[int, object]:
+    def run_each(self, fn, args: dict[int, tuple]) -> dict[int, object]:
         """fn(engine, *args[w]) on each actor w at once (VllmActor.run); the first failure raises, naming the actor."""
         return self._gather({w: self.handles[w].run.remote(fn, *a) for w, a in args.items()}, "run the turn loop")
 

@@ -75,14 +75,14 @@ class VllmRollout:
         self.head = None
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
-        self.agent = None  # agent.tools: the turn loop (agent/loop.py) drives vLLM's engine (turns.py)
+        self.agent = None  # agent.tools: the turn loop (rollout/turns.py) drives vLLM's engine (vllm/turns.py)
         if cfg.agent.enabled:
             if self.proposer:
                 raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
                                  "not built yet; set rollout.vllm_spec=off")
-            from ...agent.loop import AgentLoop
+            from ..turns import TurnLoop
 
-            self.agent = AgentLoop(cfg.agent, tokenizer)
+            self.agent = TurnLoop(cfg.agent, tokenizer)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -150,23 +150,18 @@ class VllmRollout:
     def _agent_rollout(self, examples: list, n: int, temperature: float, step: int, gen_round: int = 0) -> Completions:
         """Multi-turn trajectories: the agent's turn loop over vLLM's engine (turns.py), tools beside it. Seeds per
         prompt from the run seed and the step (base.step_seed), as on our engine's rollout."""
-        from ...engine.sampling import SamplingParams
-        from ...tasks import chat_prompt
-        from ..base import step_seed
+        from ..base import make_requests
         from .turns import VllmTurns
 
-        r, seed = self.cfg.rollout, self.cfg.trainer.seed
-        params = [SamplingParams(n=n, max_tokens=r.max_tokens, temperature=temperature, top_k=r.top_k if temperature else 0,
-                                 top_p=r.top_p if temperature else 1.0, seed=step_seed(seed, step, i, gen_round))
-                  for i in range(len(examples))]
-        msgs = [chat_prompt(ex.prompt, self.cfg.data.system_prompt) for ex in examples]
-        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (agent/remote.py)
-            from ...agent.remote import cluster_agent_rollout
+        c = self.cfg
+        reqs = make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy=temperature == 0,
+                             system_prompt=c.data.system_prompt, n=n)
+        if self.cluster is not None:  # each actor runs its prompts' trajectories to their end (rollout/remote.py)
+            from ..remote import cluster_agent_rollout
 
-            comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, [ex.ids for ex in examples], msgs,
-                                                 params)
+            comps, agent = cluster_agent_rollout(self.cluster, c.agent, reqs)
         else:
-            comps, records, agent = self.agent.run(VllmTurns(self.llm), [ex.ids for ex in examples], msgs, params)
+            comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), reqs)
         st = comps.stats
         st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
         st.decode_s = st.total_s

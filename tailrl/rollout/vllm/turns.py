@@ -1,5 +1,5 @@
-"""Multi-turn tool rollouts on vLLM: the engine calls the agent's turn loop (agent/loop.py) makes of our engine,
-answered by vLLM's own LLMEngine, so the same loop runs on both backends.
+"""Multi-turn tool rollouts on vLLM: the `StepEngine` calls (rollout/base.py) the turn loop (rollout/turns.py)
+makes of our engine, answered by vLLM's own LLMEngine, so the same loop runs on both backends.
 
 Each turn is a request (add_request / step): a trajectory that stops at a tool call leaves vLLM's batch, its tool
 runs in the loop's pool while vLLM keeps stepping the others, and it comes back as a new request of all its ids so
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ...engine.sampling import SamplingParams
 from ...engine.sequence import Completion
-from ...engine.stats import StepRecord
+from ...engine.stats import Collector, StepRecord
 
 
 @dataclass
@@ -30,7 +30,9 @@ class TurnStep:
 
 
 class VllmTurns:
-    """add_requests / has_work / step over a vllm.LLM's engine, returning our `Completion`s."""
+    """The `StepEngine` (rollout/base.py) over a vllm.LLM's engine, returning our `Completion`s. vLLM's prefix
+    cache keeps the K/V of earlier turns, so there is nothing parked to drop (keep_kv and resume are ignored);
+    export/import_ (partial rollouts) are not built on vLLM yet."""
 
     _ids = itertools.count(1)
 
@@ -39,13 +41,15 @@ class VllmTurns:
         self.live: dict[str, tuple[int, int, int, list[int]]] = {}  # request id -> (seq id, prompt, sample, prompt ids)
         self.seen: dict[str, int] = {}  # request id -> tokens reported so far
 
-    def add_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[int]:
+    def add_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                     prompt_indices: list[int] | None = None) -> list[int]:
         """One vLLM request per sample (seed + j for sample j, as our engine seeds a group's samples)."""
         from vllm import SamplingParams as VP
 
         params = params if isinstance(params, list) else [params] * len(prompts)
+        labels = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, prompt, p in zip(labels, prompts, params):
             for j in range(p.n):
                 sid = next(self._ids)
                 rid = f"turn-{sid}"
@@ -88,6 +92,27 @@ class VllmTurns:
                                        None if reason != "error" else f"vLLM finish reason {o.finish_reason!r}"))
         s = time.perf_counter() - t0
         return TurnStep(done, StepRecord("decode", batch=running, emitted=emitted, total_s=s, forward_s=s))
+
+    def collector(self, ids: list[int]) -> Collector:
+        return Collector(ids)
+
+    def unfinished_ids(self) -> list[int]:
+        return [v[0] for v in self.live.values()]
+
+    def export(self, ids: list[int]) -> list:
+        raise NotImplementedError("partial rollouts on vLLM (export/import_ of its sequences): not built yet")
+
+    def import_(self, states: list) -> list[int]:
+        if states:
+            raise NotImplementedError("partial rollouts on vLLM (export/import_ of its sequences): not built yet")
+        return []
+
+    def drop_kept(self, ids: list[int]) -> None:
+        pass  # nothing parked: vLLM's prefix cache holds earlier turns
+
+    @property
+    def kept_tokens(self) -> int:
+        return 0
 
     def end_rollout(self, stats=None) -> None:
         pass

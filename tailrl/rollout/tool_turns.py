@@ -1,9 +1,7 @@
-"""The turn loop on our engine: a trajectory that stops at a tool call leaves the batch while its tool runs in the
-pool, and comes back as a new request (its ids so far + the observation) while everything else keeps decoding.
+"""A trajectory's turns, for the turn loop (turns.py) with tools: the first turn's params (the format's stop strings,
+kept K/V), each finished turn parsed for tool calls that go to the pool, each answer turned into the next turn's
+request (its ids so far + the observation), and the trajectories as Completions with their agent/* metrics.
 
-No lock-step (ROLL Flash arXiv:2510.11345, Heddle arXiv:2603.28101; TRL's GRPOTrainer waits for every row's
-tools, then generates all again): the loop steps the engine whenever it has work and re-submits each trajectory the
-moment its tool answers; it blocks on the pool only when nothing is left to decode.
 Invariants:
 - a trajectory's tokens do not depend on when its tools answered or what it was batched with: turn k of sample j
   draws from `turn_seed(seed + j, k)` by position in that turn, and on the batch-invariant engine a request's tokens
@@ -27,18 +25,18 @@ import logging
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, wait
 
-from ..engine import Completion, Completions, GenerateStats, SamplingParams
-from ..engine.tail import tail_size
+from ..agent.formats import make_format
+from ..agent.pool import ToolPool
+from ..agent.toolbox import load_tools
+from ..agent.trajectory import ChatDelta, Trajectory, drift, turn_seed
 from ..config.agent import AgentConfig
-from .formats import make_format
-from .pool import ToolPool
-from .toolbox import load_tools
-from .trajectory import ChatDelta, Trajectory, drift, turn_seed
+from ..engine import Completion, Completions, SamplingParams
+from ..engine.tail import tail_size
 
 log = logging.getLogger(__name__)
 
 
-class AgentLoop:
+class ToolTurns:
     def __init__(self, cfg: AgentConfig, tokenizer, tools: dict | None = None):
         """tools: loaded tools by name (None: load cfg.tools; a spec that does not load is a ValueError naming it)."""
         if tokenizer is None:
@@ -51,6 +49,11 @@ class AgentLoop:
         self.eos = {tokenizer.eos_token_id}
         self._warned_drift = False
         self.last: list[Trajectory] = []
+        # one run's state: its trajectories, the trajectory and params of each sequence in the engine, and the
+        # tool calls in flight (future -> (trajectory, the next turn's params, calls))
+        self.trajs: list[Trajectory] = []
+        self.owner: dict[int, tuple[Trajectory, SamplingParams]] = {}
+        self.pending: dict = {}
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """A prompt's ids as the format shows tools (hermes: the schemas through the chat template)."""
@@ -61,62 +64,58 @@ class AgentLoop:
     def close(self) -> None:
         self.pool.close()
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
+    def first_params(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """Turn 0's params: the format's stop strings added, K/V kept at a call with agent.keep_kv."""
+        return [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop, keep_kv=self.cfg.keep_kv) for p in params]
 
-    def run(self, engine, prompts: list[list[int]], messages: list[list[dict]], params: list[SamplingParams],
-            on_step=None, lock_step: bool = False) -> tuple[Completions, list, dict]:
-        """Runs every prompt's params.n trajectories to their end; returns (one Completion per trajectory in
-        (prompt, sample) order, the engine's step records, the agent/* metrics). on_step(out): told of each
-        engine step (the rollout feeds its lender, and so on). lock_step: the baseline of benchmarks/agent.py (TRL's
-        loop): no trajectory resumes before every turn in flight has ended and every tool has answered."""
-        t0 = time.perf_counter()
-        keep = self.cfg.keep_kv and hasattr(engine, "drop_kept")
-        kept0 = engine.kept_tokens if keep else 0
-        base = [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop, keep_kv=keep) for p in params]
-        trajs: list[Trajectory] = []
-        owner: dict[int, tuple[Trajectory, SamplingParams]] = {}
-        ids = engine.add_requests(prompts, base)
+    def begin(self, requests: list, params: list[SamplingParams], ids: list[int], t0: float) -> None:
+        """A run starts: one trajectory per sample of each request (sample j of a seeded request draws its turns
+        from seed + j), owning its turn-0 sequence."""
+        self.trajs, self.owner, self.pending = [], {}, {}
         k = 0
-        for i, p in enumerate(base):
+        for i, (q, p) in enumerate(zip(requests, params)):
             for j in range(p.n):
                 seed = (p.seed + j) if p.seed is not None else hash((i, j, t0)) % (1 << 62)
-                tr = Trajectory(i, j, seed, list(prompts[i]), list(messages[i]), seq_id=ids[k])
-                trajs.append(tr)
-                owner[ids[k]] = (tr, dataclasses.replace(p, n=1, seed=None))
+                tr = Trajectory(i, j, seed, list(q.ids), list(q.messages), seq_id=ids[k])
+                self.trajs.append(tr)
+                self.owner[ids[k]] = (tr, dataclasses.replace(p, n=1, seed=None))
                 k += 1
-        stats = GenerateStats(tail_size=tail_size(len(trajs)))
-        records, pending = [], {}
-        while engine.has_work() or pending:
-            ready = [f for f in pending if f.done()]
-            if lock_step and (engine.has_work() or len(ready) < len(pending)):
-                ready = []
-            for fut in ready:
-                tr, p, calls = pending.pop(fut)
-                if not self._resume(engine, tr, p, calls, fut.result(), owner) and keep:
-                    engine.drop_kept([p.resume])
-            if not engine.has_work():
-                if pending:
-                    wait(list(pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
-                continue
-            out = engine.step()
-            stats.add(out.record)
-            records.append(out.record)
-            if on_step is not None:
-                on_step(out)
-            for c in out.finished:
-                tr, p = owner.pop(c.seq_id)
-                calls = self._end_turn(tr, c)
-                if calls:  # the next turn continues this one's parked KV (if the engine kept it)
-                    pending[self.pool.submit(self.tools, calls)] = (tr, dataclasses.replace(p, resume=c.seq_id), calls)
-                elif keep:  # the trajectory ended: this turn's K/V, and the last one's if this turn never took it
-                    engine.drop_kept([c.seq_id, p.resume])
-        stats.total_s = time.perf_counter() - t0
+
+    def resume_ready(self, engine, lock_step: bool) -> None:
+        """Trajectories whose tools answered re-enter the engine (lock_step: only once every turn in flight has
+        ended and every tool has answered)."""
+        ready = [f for f in self.pending if f.done()]
+        if lock_step and (engine.has_work() or len(ready) < len(self.pending)):
+            return
+        for fut in ready:
+            tr, p, calls = self.pending.pop(fut)
+            if not self._resume(engine, tr, p, calls, fut.result()) and self.cfg.keep_kv:
+                engine.drop_kept([p.resume])
+
+    def wait(self, lock_step: bool) -> None:
+        """Nothing left to decode: block on the pool (the first answer, or all of them with lock_step)."""
+        if self.pending:
+            wait(list(self.pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
+
+    def end_turn(self, engine, c: Completion) -> None:
+        """A turn finished: its calls go to the pool, or its trajectory ends (and its kept K/V is dropped)."""
+        tr, p = self.owner.pop(c.seq_id)
+        calls = self._end_turn(tr, c)
+        if calls:  # the next turn continues this one's parked KV (if the engine kept it)
+            self.pending[self.pool.submit(self.tools, calls)] = (tr, dataclasses.replace(p, resume=c.seq_id), calls)
+        elif self.cfg.keep_kv:  # the trajectory ended: this turn's K/V, and the last one's if this turn never took it
+            engine.drop_kept([c.seq_id, p.resume])
+
+    def result(self, stats, t0: float, kept_tokens: int) -> tuple[Completions, dict]:
+        """(one Completion per trajectory in (prompt, sample) order, the agent/* metrics); kept_tokens: positions
+        the run's resumed turns did not prefill."""
+        trajs = self.trajs
         comps = Completions(self._completion(tr) for tr in trajs)
         comps.stats = stats
         self.last = trajs
         metrics = self._metrics(trajs, t0, stats.total_s)
-        metrics["agent/kv_kept_tokens"] = (engine.kept_tokens - kept0) / max(len(trajs), 1) if keep else 0.0
-        return comps, records, metrics
+        metrics["agent/kv_kept_tokens"] = kept_tokens / max(len(trajs), 1) if self.cfg.keep_kv else 0.0
+        return comps, metrics
 
     def _end_turn(self, tr: Trajectory, c: Completion) -> list:
         """Appends a finished turn; returns the tool calls to run next (none: the trajectory has ended)."""
@@ -136,7 +135,7 @@ class AgentLoop:
         tr.finish_reason, tr.error, tr.t_done = reason, error, time.perf_counter()
         return []
 
-    def _resume(self, engine, tr: Trajectory, p: SamplingParams, calls: list, results: list, owner: dict) -> bool:
+    def _resume(self, engine, tr: Trajectory, p: SamplingParams, calls: list, results: list) -> bool:
         """The tool answered: the observation's ids go in (mask 0) and the trajectory re-enters as a new request
         (p.resume: the finished turn's sequence, whose parked KV it continues). False: it ended here instead."""
         for r in results:
@@ -154,7 +153,7 @@ class AgentLoop:
         k = len(tr.turns)  # the next turn: history drafts from turn k of this prompt in earlier epochs and siblings
         nxt = dataclasses.replace(p, max_tokens=room, seed=turn_seed(tr.seed, k), history=(tr.prompt_ids, k))
         (sid,) = engine.add_requests([tr.prompt_ids + tr.ids], nxt)
-        owner[sid] = (tr, p)
+        self.owner[sid] = (tr, p)
         return True
 
     def _completion(self, tr: Trajectory) -> Completion:

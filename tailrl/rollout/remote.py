@@ -10,17 +10,15 @@ gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
 from __future__ import annotations
 
 from ..config.agent import AgentConfig
+from .base import Request
 
-FN = "tailrl.agent.remote:worker_rollout"
+def worker_rollout(engine, cfg: AgentConfig, requests: list[Request]) -> tuple[list, dict, object]:
+    """On a worker: (completions, agent metrics, GenerateStats) of these requests' trajectories."""
+    from .turns import TurnLoop
 
-
-def worker_rollout(engine, cfg: AgentConfig, prompts: list, msgs: list, params: list) -> tuple[list, dict, object]:
-    """On a worker: (completions, agent metrics, GenerateStats) of these prompts' trajectories."""
-    from .loop import AgentLoop
-
-    loop = AgentLoop(cfg, engine.tokenizer)
+    loop = TurnLoop(cfg, engine.tokenizer)
     try:
-        comps, _, metrics = loop.run(engine, prompts, msgs, params)
+        comps, _, metrics, _ = loop.run(engine, requests)
     finally:
         loop.close()
     engine.end_rollout(comps.stats)
@@ -32,14 +30,14 @@ def split(n: int, workers: int) -> list[list[int]]:
     return [list(range(w, n, workers)) for w in range(workers)]
 
 
-def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, params: list):
-    """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers."""
+def cluster_agent_rollout(cluster, cfg: AgentConfig, requests: list[Request]):
+    """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers:
+    each worker is handed its share of the requests as they were built (base.make_requests)."""
     from ..engine.stats import Completions, GenerateStats
 
-    parts = [p for p in split(len(prompts), cluster.num_workers) if p]
-    args = {w: (cfg, [prompts[i] for i in idx], [msgs[i] for i in idx], [params[i] for i in idx])
-            for w, idx in enumerate(parts)}
-    done = cluster.run_each(FN, args)
+    parts = [p for p in split(len(requests), cluster.num_workers) if p]
+    args = {w: (cfg, [requests[i] for i in idx]) for w, idx in enumerate(parts)}
+    done = cluster.run_each(worker_rollout, args)  # the function itself travels (by reference), not its name
     by_prompt, metrics, stats, weights = {}, {}, [], []
     for w, idx in enumerate(parts):
         comps, m, st = done[w]
@@ -53,7 +51,7 @@ def cluster_agent_rollout(cluster, cfg: AgentConfig, prompts: list, msgs: list, 
         stats.append(st)
     total = max(sum(weights), 1)
     metrics = {k: (v / total if _is_mean(k) else v) for k, v in metrics.items()}
-    out = Completions(c for i in range(len(prompts)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
+    out = Completions(c for i in range(len(requests)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
     masks = [c.response_mask for c in out if c.response_mask is not None]
     if masks:  # a share of tokens, not of trajectories: counted over every worker's tokens at once
         metrics["agent/masked_share"] = sum(len(m) - sum(m) for m in masks) / max(sum(len(m) for m in masks), 1)
