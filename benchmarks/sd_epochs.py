@@ -1,0 +1,65 @@
+"""SD auto against SD off on an RL-shaped rollout without the update: epochs of the same prompts (epoch 0 is every
+prompt's first visit, later ones have history), both engines in one process on one model, interleaved per epoch,
+the batch-invariant engine (the same tokens in both arms, checked). Per epoch: tokens / s of each arm, the selector's
+SD-off estimate (`spec/speedup_est`) beside the measured ratio, its predicted and measured decode tokens / s and the
+share of steps each arm ran.
+
+    .venv/bin/python benchmarks/sd_epochs.py [--preset long] [--epochs 3] [--max-tokens 96] [--prompts 8] [--n 8]
+
+Prompts: the first `--prompts` training prompts of the preset's task (default: the default run's arithmetic levels
+1-2), chat template, T 0.7. Run each measurement on a quiet machine (a second process on 2 cores makes OpenMP's
+barriers wait, and both arms slow down by different amounts)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tailrl.config import load_config
+from tailrl.engine import Engine, EngineConfig, SamplingParams
+from tailrl.model import load_model
+from tailrl.rl.data import load_datasets
+from tailrl.speculative.config import SpecConfig
+from tailrl.tasks import chat_prompt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config(None, [], args.preset)
+    train, _ = load_datasets(cfg.data)
+    rows = [chat_prompt(e.prompt, cfg.data.system_prompt) for e in train[: args.prompts]]
+    model, tok = load_model(cfg.model.path, device="cpu", dtype=args.dtype)
+    engines = {m: Engine(model, tok, EngineConfig(kv_cache_gb=2.0, batch_invariant=True, spec=SpecConfig(mode=m)))
+               for m in ("off", "auto")}
+    print(f"{args.prompts} prompts x {args.n}, up to {args.max_tokens} tokens, T 0.7, {model.dtype}\n")
+    print("| epoch | off tok/s | auto tok/s | auto / off | estimate | predicted / measured decode tok/s | arms |")
+    print("|---|---|---|---|---|---|---|")
+    for ep in range(args.epochs):
+        res = {}
+        for m, eng in engines.items():
+            params = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, n=args.n, seed=1000 + ep)
+            t = time.perf_counter()
+            outs = eng.generate(rows, params)
+            res[m] = (outs, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+        (off, off_tps), (auto, auto_tps) = res["off"], res["auto"]
+        same = [o.token_ids for o in off] == [o.token_ids for o in auto]
+        met = auto.stats.metrics()
+        arms = ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(met.items(), key=lambda kv: -kv[1])
+                         if k.startswith("spec/arm_share/") and v >= 0.02)
+        print(f"| {ep} | {off_tps:.0f} | {auto_tps:.0f} | {auto_tps / off_tps:.2f}x{'' if same else ' (tokens differ!)'} "
+              f"| {auto.stats.speedup_est:.2f}x | {met.get('spec/pred_tokens_per_s', 0):.0f} / "
+              f"{met.get('spec/decode_tokens_per_s', 0):.0f} | {arms} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
