@@ -224,3 +224,21 @@ def test_the_plain_step_is_priced_at_the_context_it_runs_at():
         d = 0 if step % 10 == 0 else (3, 7, 15, 3, 2)[step % 5]
         sel.time.record(sel.geometry.shape(contexts, [d] * 8), world.seconds(contexts, d, rng))
     assert sel.plain_step_s([1000] * 8) == pytest.approx(world.seconds([1000] * 8, 0), rel=0.1)
+
+
+def test_the_sd_off_estimate_follows_the_rollouts_own_plain_schedule():
+    """Sequences of 3, 5 and 5 tokens after prompts of 10: plain decoding runs decode steps 1-4 (the first token comes
+    from the prefill), over 3 sequences at t = 1, 2 and over 2 at t = 3, 4; with a tail of at most 2 sequences the last
+    two steps are the tail. Priced by the model as plain steps of those sequences at their contexts then."""
+    sel = make_selector()
+    world = World(noise=0.0)
+    for B in (1, 2, 3):
+        for c in (10, 14):
+            sel.time.record(sel.geometry.shape([c] * B, [0] * B), world.seconds([c] * B, 0))
+    assert sel.off_seconds([10, 10, 10], [3, 5, 5], tail=0) is not None
+    body, tail = sel.off_seconds([10, 10, 10], [3, 5, 5], tail=2)
+    want_body = sum(sel.plain_step_s([10 + t - 1] * 3) for t in (1, 2))
+    want_tail = sum(sel.plain_step_s([10 + t - 1] * 2) for t in (3, 4))
+    assert body == pytest.approx(want_body) and tail == pytest.approx(want_tail)
+    assert want_tail < want_body  # two sequences' steps cost less than three's
+    assert make_selector().off_seconds([10], [4], tail=0) is None  # nothing priced yet

@@ -243,12 +243,12 @@ class Engine:
 
     def _estimate_off(self, stats: GenerateStats | None) -> None:
         """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, priced by the
-        selector's step-time model (Speculator.off_seconds), in stats.off_body_s / off_tail_s."""
+        selector's step-time model (Selector.off_seconds), in stats.off_body_s / off_tail_s."""
         col = self._collector
         if self.speculator is None or stats is None or col is None or col.stats is not stats or len(col.done) < len(col.ids):
             return
         comps = [col.done[i] for i in col.ids]
-        est = self.speculator.off_seconds([len(c.prompt_token_ids) for c in comps], [len(c.token_ids) for c in comps],
+        est = self.speculator.selector.off_seconds([len(c.prompt_token_ids) for c in comps], [len(c.token_ids) for c in comps],
                                           stats.tail_size)
         if est is not None:
             stats.off_body_s, stats.off_tail_s = est

@@ -210,29 +210,6 @@ class Speculator:
                 out.append(None)
         return out
 
-    def off_seconds(self, prompt_lens: list[int], lengths: list[int], tail: int) -> tuple[float, float] | None:
-        """(body, tail) decode seconds plain decoding would have taken for sequences of these prompt and response
-        lengths, from the step-time model: with SD off every sequence emits a token a step, so step t runs the
-        sequences longer than t, at their contexts then, and is in the tail where at most `tail` run (engine/tail.py).
-        The same tokens (lossless, batch-invariant) make this the SD-off run's own schedule; pricing each
-        speculative step as emitted / B plain steps of its own batch instead counted the tail speculation makes
-        (sequences whose drafts fail fall behind and finish alone) as if plain decoding had it too (1.13-1.28x
-        estimated against 1.04-1.16x measured on the default run's shape). None before a plain step was priced."""
-        sel, alive = self.selector, list(range(len(lengths)))
-        body = tail_s = 0.0
-        for t in range(1, max(lengths, default=0)):
-            alive = [i for i in alive if lengths[i] > t]
-            if not alive:
-                break
-            step = sel.plain_step_s([prompt_lens[i] + t - 1 for i in alive])
-            if step is None:
-                return None
-            if len(alive) <= tail:
-                tail_s += step
-            else:
-                body += step
-        return body, tail_s
-
     def _free_rows(self, trees: list) -> tuple[int | None, float]:
         """(rows to fill, the odds a node needs there): the rows up to the end of the pass's last product call (within
         a call a row costs only its arithmetic and sampling) and the odds at which a row pays for that at the step's
