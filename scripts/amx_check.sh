@@ -52,7 +52,7 @@ for s in ("history", "ngram"):
     print(f"{s}: {same} of {len(ids['off'])} responses identical to SD off")
 EOF
 echo "== 3b. train: rollout/batch_invariant"
-$PY -m tailrl.cli train trainer.steps=2 trainer.eval_every=0 trainer.save_every=0 "trainer.out_dir=$OUT/train" 2>&1 | tail -3
+$PY -m tailrl.cli train trainer.steps=2 trainer.eval_every=0 trainer.save_every=0 trainer.overwrite=true "trainer.out_dir=$OUT/train" 2>&1 | tail -3
 grep -o '"rollout/batch_invariant": [0-9.]*' "$OUT/train/metrics.jsonl" || echo "no rollout/batch_invariant in $OUT/train/metrics.jsonl"
 
 echo "== 4. cost: default ISA against ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"

@@ -64,7 +64,7 @@ def main() -> None:
             arms = [history[2], history[-1]]
             assert [a.budget for a in arms] in ([4, 15], [3, 15]), eng.speculator.selector.arms
             turn = itertools.cycle(arms)
-            eng.speculator.selector.choose = lambda batch, contexts=None: next(turn)
+            eng.speculator.selector.choose = lambda batch, contexts=None, *_, **__: next(turn)
             eng.generate(prompts, params)  # the history of the second epoch
             on = eng.generate(prompts, params)
             out["identical"] = [a.token_ids for a in off] == [b.token_ids for b in on]

@@ -68,7 +68,7 @@ def test_bf16_sampling_with_speculation_emits_the_very_same_tokens(request, tiny
     # decoding among them, so every machine meets the same mix of plain and verify passes
     sel = eng.speculator.selector
     turn = itertools.cycle([a for a in sel.arms if a.drafter == "history" and a.budget in (2, 7, 15)] + [OFF])
-    sel.choose = lambda B, contexts=None: next(turn)
+    sel.choose = lambda B, contexts=None, *_, **__: next(turn)
     eng.generate(chats, params)  # the history of the second epoch
     outs = eng.generate(chats, params)
     assert sum(o.stats["accepted"] for o in outs) > 50, "speculation barely ran: the test exercised little"

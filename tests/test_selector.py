@@ -242,3 +242,74 @@ def test_the_sd_off_estimate_follows_the_rollouts_own_plain_schedule():
     assert body == pytest.approx(want_body) and tail == pytest.approx(want_tail)
     assert want_tail < want_body  # two sequences' steps cost less than three's
     assert make_selector().off_seconds([10], [4], tail=0) is None  # nothing priced yet
+
+
+def trained(world: World, sizes=(16, 12, 9, 14, 16), steps: int = 60) -> Selector:
+    """A selector that has measured this world at these batch sizes in turn (as a rollout's batch shrinks): its
+    steps, plain and speculative, and acceptance."""
+    sel = make_selector()
+    for i, B in enumerate(sizes):
+        run(sel, world, B, steps, seed=i)
+    return sel
+
+
+def test_a_token_the_rollout_does_not_wait_for_is_worth_its_row_not_a_step():
+    """Where a step costs about the same for 16 sequences as for 8 (weight streams, not rows) and no request waits,
+    drafts that only the sequences ahead accept shorten nothing the rollout waits for: the 8 behind (the most
+    tokens left) accept nothing. The selector decodes plainly there, and speculates for the same acceptance spread
+    the other way round (the critical sequences accept) or where requests queue (a finished sequence makes room).
+    Fails for a selector that values every accepted token at a plain step's share."""
+    world = World(stream_s=0.02, row_s=0.0004, seq_s=0.00002, accept=0.7)
+    sel = trained(world)
+    contexts = [200 + 7 * i for i in range(16)]
+    assert sel.choose(16, contexts) != OFF  # at the mean acceptance of the drafter, speculation pays here
+    easy_ahead = [1.9] * 8 + [0.05] * 8
+    left = [20] * 8 + [60] * 8
+    assert sel.worth(contexts, easy_ahead, left) < 0.4  # 0.35 of a share here; 1.0 if priced at the share
+    assert sel.choose(16, contexts, easy_ahead, left) == OFF
+    assert sel.choose(16, contexts, easy_ahead[::-1], left) != OFF  # the critical sequences are the easy ones
+    assert sel.worth(contexts, easy_ahead, left, queued=True) == pytest.approx(sum(easy_ahead) / 16)
+    assert sel.choose(16, contexts, easy_ahead, left, queued=True) != OFF
+    # where every sequence is alike, a token is worth a plain step's share, whatever is left (1% for the fit's noise)
+    assert sel.worth(contexts, [1.0] * 16, [50] * 16) == pytest.approx(1.0, rel=0.01)
+
+
+def test_a_sequences_share_of_acceptance_follows_what_it_accepted():
+    """SeqAccept: a sequence whose drafts are always rejected falls below a tenth of the drafters' mean within 30
+    verified steps, one that accepts what was expected stays at 1, and with nothing measured it is 1."""
+    from tailrl.speculative.selector import SeqAccept
+
+    hard, alike, new = SeqAccept(), SeqAccept(), SeqAccept()
+    for _ in range(30):
+        hard.add(0.0, 2.0)
+        alike.add(2.0, 2.0)
+    assert hard.factor(2.0) < 0.1
+    assert alike.factor(2.0) == pytest.approx(1.0)
+    assert new.factor(2.0) == 1.0
+
+
+def test_an_untried_drafter_is_first_tried_where_a_step_of_it_costs_little():
+    """A drafter never measured is tried at its smallest budget where the model (a draft row priced as a plain
+    row) says the step costs at most try_cost of a plain one: not at 64 sequences where each row opens weight
+    streams, at once at 4."""
+    world = World(stream_s=0.02, row_s=0.0004, accept=0.7)
+    sel = make_selector()
+    for B in (64, 48, 4, 2):
+        for _ in range(40):  # plain steps only: the selector sees no acceptance (no shadows here)
+            contexts = [200 + 7 * i for i in range(B)]
+            sel.record(OFF, sel.geometry.shape(contexts, [0] * B), world.seconds(contexts, 0), B, 0, 0.0)
+    assert sel.choose(64, [200] * 64) == OFF
+    assert sel.choose(4, [200] * 4).budget == min(BUDGETS)
+
+
+def test_a_probe_of_an_arm_predicted_far_below_plain_waits_probe_max_steps():
+    """Where drafts never pay by far (each row a weight stream), the selector, once it measured them, speculates at
+    most once in PROBE_MAX steps (the interval probes of a close call start at PROBE_MIN)."""
+    from tailrl.speculative.selector import PROBE_MIN
+
+    world = World(stream_s=0.004, row_s=0.004, accept=0.2)
+    sel = make_selector()
+    steps = run(sel, world, 48, 400)
+    late = [d for d, _, _ in steps[100:]]
+    assert sum(d > 0 for d in late) <= len(late) // PROBE_MAX + 1, late
+    assert PROBE_MIN < PROBE_MAX

@@ -134,7 +134,7 @@ def test_the_tail_drafts_its_full_budget_where_rows_are_cheap():
             return None
 
     sp.drafters["ngram"] = Spy()
-    sp.selector.choose = lambda B, contexts=None: sp.selector.drafter_arms[-1]  # ngram:8
+    sp.selector.choose = lambda B, contexts=None, *_, **__: sp.selector.drafter_arms[-1]  # ngram:8
 
     class Seq:
         prompt_ids, output_ids, max_tokens = [1, 2, 3], [4, 5], 64
@@ -178,7 +178,7 @@ def test_an_invariant_verifier_gets_drafts_of_whole_query_blocks(request, tiny, 
     eng = Engine(tiny, None, EngineConfig(kv_cache_gb=0.05, spec=spec, batch_invariant=invariant), sp)
     assert eng.runner.invariant == invariant
     arms = iter(sp.selector.drafter_arms * 100)  # the arms in turn: every budget
-    sp.selector.choose = lambda B, contexts=None: next(arms)
+    sp.selector.choose = lambda B, contexts=None, *_, **__: next(arms)
     asked = []
     orig = sp.drafters["ngram"].propose
 

@@ -286,6 +286,8 @@ class Engine:
         if groups:
             record = prefill_pass(self.runner, self.speculator, self.tokenizer, groups)
         elif sched.running:
+            if self.speculator is not None:  # finished sequences make room for waiting ones (Selector.worth)
+                self.speculator.queued = bool(sched.waiting)
             record = decode_pass(self.runner, self.speculator, self.tokenizer, sched.running)
         else:
             record = StepRecord("idle")

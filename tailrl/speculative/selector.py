@@ -7,11 +7,14 @@ Every arm, plain decoding (OFF) among them, is priced the same way, in one place
 
 - T is the step-time model (speculative/step_cost.py): seconds of a pass by what it carries (sequences, draft rows,
   weight streams, key reads), least squares over this engine's own steps per batch-size bucket; a term a bucket has
-  not measured takes the pooled price, and a draft row never measured is assumed free (optimism, so it gets tried);
+  not measured takes the pooled price, and a draft row never measured costs what a plain step's row does;
 - accepted and drafted: tokens per sequence-step the arm's drafts added and cost, measured on its verified steps and
   on shadow drafts (the drafter's proposals scored against what the sequence then emitted), an unmeasured budget
   borrowing the acceptance of its drafter's largest measured smaller budget (a lower bound);
-- draft_s: the drafter's seconds per sequence proposal.
+- draft_s: the drafter's seconds per sequence proposal;
+- what a token is worth (`worth`): acceptance per sequence (SeqAccept), and where no request waits, a token saves
+  the marginal row it would have cost later, whole steps only at the acceptance of the sequences the rollout waits
+  for.
 
 The arm chosen is the argmax, a drafter arm only where it beats OFF by `margin`. What keeps this honest when a
 price is wrong is measurement of the arm not chosen: per bucket, a **probe** runs the other side (OFF while
@@ -64,6 +67,29 @@ class Rate:
         return self.total / self.weight if self.weight > 0 else default
 
 
+class SeqAccept:
+    """One sequence's share of its drafters' acceptance: accepted tokens on its verified steps over what the
+    selector expected of the arm there, decayed (its text now counts more than its text long ago) and pulled
+    towards 1 by PRIOR_STEPS expected steps. The sequences a rollout's tail is left with are those whose drafts
+    failed (the others finished early): priced at the drafters' mean, the tail was predicted 1.5x and measured
+    1.2x (benchmarks/RESULTS.md section 25)."""
+
+    PRIOR_STEPS, DECAY = 1.0, 0.9
+
+    def __init__(self):
+        self.got = 0.0
+        self.expected = 0.0
+
+    def add(self, accepted: float, expected: float) -> None:
+        self.got = self.DECAY * self.got + accepted
+        self.expected = self.DECAY * self.expected + expected
+
+    def factor(self, mean: float) -> float:
+        """mean: the drafters' expected accepted tokens per step (the prior's unit)."""
+        prior = self.PRIOR_STEPS * max(mean, 0.05)
+        return (self.got + prior) / (self.expected + prior)
+
+
 @dataclass
 class Decision:
     """Why a step ran what it ran: the arm, its predicted tokens / s, OFF's (None: not predictable yet), and
@@ -74,6 +100,7 @@ class Decision:
     off: float | None = None
     probe: bool = False
     weight: float = 1.0  # steps of its kind the step stands for (a probe: the steps since the last one)
+    worth: float = 1.0  # what an accepted token was worth (Selector.worth)
 
 
 @dataclass
@@ -86,6 +113,8 @@ class _Probe:
 
 class Selector:
     margin = 1.03  # a drafter arm must beat plain decoding by this much
+    try_cost = 1.15  # a drafter never measured is first tried where its step costs at most this much of a plain one
+    far = 0.8  # below this share of plain decoding's goodput, an arm is probed only every PROBE_MAX steps
 
     def __init__(self, cfg: SpecConfig, drafters: list[str] | None = None, budgets: tuple[int, ...] | None = None):
         """budgets: the arms' draft budgets (default cfg.budgets; the speculator passes them cut to whole query
@@ -143,8 +172,37 @@ class Selector:
                 body += step
         return body, tail_s
 
-    def goodput(self, arm: Arm, contexts: list[int]) -> float | None:
-        """Predicted tokens per second of the arm over these sequences (None: not predictable yet)."""
+    def worth(self, contexts: list[int], factors: list[float] | None = None, remaining: list[int] | None = None,
+              queued: bool = False) -> float:
+        """What an accepted token of these sequences is worth, in the arms' mean acceptance per sequence (1: each
+        the plain step's share T / B, what it is worth where every sequence gains alike or finished sequences
+        make room for waiting ones: `queued`).
+
+        Where no request waits, a rollout's wall is its steps until the last sequence ends: a token a sequence
+        gains early saves the row it would have cost later (m = T(B) - T(B - 1), the marginal row), and only the
+        sequences the rollout waits for save whole steps (F = T - B m, the part of a step no row pays for). So
+        a token is worth m, and F more at the acceptance of the critical sequences: those with the most tokens
+        left (remaining: predicted from history or max_tokens), the least of them (the rollout waits for the
+        slowest; drafts accepted now and then by each of 15 sequences move their mean, not their minimum). On a CPU below a call's 32 rows a step costs about the same for 4
+        sequences as for 32: speculation that finished 28 easy sequences early left the 4 hard ones 40 steps of
+        almost the same price and bought nothing (benchmarks/RESULTS.md section 25)."""
+        B = len(contexts)
+        f = factors if factors is not None and len(factors) == B else [1.0] * B
+        mean = sum(f) / max(B, 1)
+        if queued or B < 2 or remaining is None or len(remaining) != B:
+            return mean
+        t, t1 = self.plain_step_s(contexts), self.plain_step_s(contexts[:-1])
+        if not t or t1 is None:
+            return mean
+        share = t / B
+        m = min(max(t - t1, 0.0), share)
+        top = max(remaining)
+        crit = [fi for fi, r in zip(f, remaining) if r >= 0.8 * top]
+        return (m * sum(f) + (t - B * m) * min(crit)) / (share * B)
+
+    def goodput(self, arm: Arm, contexts: list[int], hardness: float = 1.0) -> float | None:
+        """Predicted tokens per second of the arm over these sequences (None: not predictable yet). hardness: how
+        much of the arm's measured acceptance these very sequences get (the mean of their SeqAccept.factor)."""
         B = len(contexts)
         if arm == OFF:
             t = self.plain_step_s(contexts)
@@ -153,6 +211,7 @@ class Selector:
         if est is None:
             return None
         accepted, drafted = est
+        accepted *= hardness
         t = self.time.seconds(self.geometry.uniform(contexts, min(drafted, arm.budget)))
         return B * (1 + accepted) / (t + B * self.draft_s[arm.drafter]) if t else None
 
@@ -168,19 +227,26 @@ class Selector:
 
     # ---- choosing ---------------------------------------------------------------------------------------------
 
-    def choose(self, B: int, contexts: list[int] | None = None) -> Arm:
-        """The arm for a decode step of B sequences holding `contexts` keys (default: short contexts)."""
+    def choose(self, B: int, contexts: list[int] | None = None, factors: list[float] | None = None,
+               remaining: list[int] | None = None, queued: bool = False) -> Arm:
+        """The arm for a decode step of B sequences holding `contexts` keys (default: short contexts). factors:
+        per sequence, its share of the drafters' acceptance (SeqAccept); remaining, queued: `worth`'s. Arms are
+        ranked by goodput at what their tokens are worth to the rollout's end; the decision reports the arm's
+        and OFF's plain predicted tokens / s."""
         contexts = list(contexts) if contexts is not None else [1] * B
+        mean = sum(factors) / B if factors is not None and len(factors) == B and B else 1.0
         if len(self.arms) == 1:
-            self.decision = Decision(self.arms[0], self.goodput(self.arms[0], contexts))
+            self.decision = Decision(self.arms[0], self.goodput(self.arms[0], contexts, mean))
             return self.arms[0]
-        scores = {a: self.goodput(a, contexts) for a in self.arms}
+        worth = self.worth(contexts, factors, remaining, queued)
+        scores = {a: self.goodput(a, contexts, worth) for a in self.arms}
         off = scores.get(OFF)
         untried = [a for a in self.drafter_arms if scores[a] is None]
         spec = [a for a in self.drafter_arms if scores[a] is not None]
         best = max(spec, key=lambda a: scores[a], default=None)
-        if untried and off is not None:  # a drafter never measured: its smallest budget is tried first
-            best = min(untried, key=lambda a: a.budget)
+        trial = min(untried, key=lambda a: a.budget, default=None)
+        if trial is not None and off is not None and self._cheap(trial, contexts):
+            best = trial  # a drafter never measured: its smallest budget is tried first, where that costs little
             scores[best] = float("inf")
         if OFF not in scores:  # a fixed drafter mode
             arm = best if best is not None else self.drafter_arms[0]
@@ -193,9 +259,12 @@ class Selector:
         if want_spec and self.cfg.epsilon and self.rng.random() < self.cfg.epsilon:
             near = [a for a in spec if scores[a] >= 0.85 * scores[best]]  # budgets near the best, measured too
             best = self.rng.choice(near) if near else best
-        probe = self._probe(B, want_spec)
+        # a probe of an arm predicted far below plain decoding waits PROBE_MAX steps: it mostly costs
+        probe = self._probe(B, want_spec, far=not want_spec and scores[best] < self.far * off)
         arm = (self._probe_arm(B, best) if want_spec else best) if probe else best if want_spec else OFF
-        self.decision = Decision(arm, scores[arm], off, probe, self.probes[batch_bucket(B)].interval / 2 if probe else 1.0)
+        predicted = self.goodput(arm, contexts, mean) if arm != OFF and scores[arm] != float("inf") else scores[arm]
+        self.decision = Decision(arm, predicted, off, probe, self.probes[batch_bucket(B)].interval / 2 if probe else 1.0,
+                                 worth)
         return arm
 
     def _probe_arm(self, B: int, best: Arm) -> Arm:
@@ -211,14 +280,22 @@ class Selector:
         options = near + others
         return options[(p.turn // 2) % len(options)] if options else OFF
 
-    def _probe(self, B: int, want_spec: bool) -> bool:
-        """Whether this step of B sequences runs the side not chosen (module docstring: probes)."""
+    def _cheap(self, arm: Arm, contexts: list[int]) -> bool:
+        """Whether a step of the arm is predicted to cost at most TRY_COST of a plain one (drafts not measured
+        yet cost a plain row each: speculative/step_cost.py): where a first try is cheap, the tail on a CPU."""
+        plain = self.plain_step_s(contexts)
+        t = self.time.seconds(self.geometry.uniform(contexts, arm.budget))
+        return bool(plain) and t is not None and t <= self.try_cost * plain
+
+    def _probe(self, B: int, want_spec: bool, far: bool = False) -> bool:
+        """Whether this step of B sequences runs the side not chosen (module docstring: probes); far: the side
+        not chosen is predicted far below, and is probed only every PROBE_MAX steps."""
         p = self.probes.setdefault(batch_bucket(B), _Probe(want_spec))
         if want_spec != p.spec:  # the choice flipped: watch it closely again
             p.spec, p.interval, p.since = want_spec, PROBE_MIN, 0
             return False
         p.since += 1
-        if p.since < p.interval:
+        if p.since < (PROBE_MAX if far else p.interval):
             return False
         p.since = 0
         p.interval = min(2 * p.interval, PROBE_MAX)
@@ -254,7 +331,7 @@ class Selector:
     def end_rollout(self) -> None:
         """A rollout ended: the next one has other drafts (this epoch's responses are history now) under other
         weights. What was measured of acceptance counts half, and every bucket probes closely again: at 33-64
-        sequences no shadow draft measures a drafter (speculative/speculator.py SHADOW_MAX_BATCH), so without it a
+        sequences no shadow draft measures a drafter (speculative/shadow.py SHADOW_MAX_BATCH), so without it a
         drafter that starts paying in the next epoch was found only by probes 64 steps apart."""
         self.time.end_rollout()
         for rates in (self.accept, self.drafted):

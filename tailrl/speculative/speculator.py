@@ -22,17 +22,14 @@ from .allocate import AcceptanceModel, allocate, fill_tile
 from .budgets import LengthTracker, block_budget, block_end, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
-from .selector import OFF, Arm, Selector
+from .selector import OFF, Arm, SeqAccept, Selector
+from .shadow import shadow_step
 from .step_cost import Geometry, Shape
 from .tree import DraftTree
 from .verify import Verdict
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per unchosen drafter
-# no shadow drafts above this batch: acceptance is a property of the drafter, not the batch size, and the tail
-# of every rollout measures it; above it, shadows made the drafters index every token (TokenIndex is lazy)
-SHADOW_MAX_BATCH = 32
 
 
 @dataclass
@@ -40,6 +37,7 @@ class SeqDraft:
     """The speculator's state for one sequence."""
 
     depth: int = 0  # adaptive draft depth (0: not started)
+    accept: SeqAccept = field(default_factory=SeqAccept)  # its share of the drafters' acceptance
     shadow: dict = field(default_factory=dict)  # drafter name -> (output position, pending shadow path, features)
 
 
@@ -55,7 +53,7 @@ class Speculator:
         self.needs_hidden = any(d.needs_hidden for d in drafters)
         self._trees: list[DraftTree | None] = []
         self._arm = OFF
-        self._cursor = 0
+        self.shadow_cursor = 0  # where the next step's shadow sequences start (shadow.py)
         self.vocab_size = 0
         self.lengths = LengthTracker()
         self.watchdog = Watchdog()
@@ -66,6 +64,9 @@ class Speculator:
         self._planned: list[int] = []  # per sequence, the draft nodes of its arm (before fill_tile's)
         self._filled = 0  # nodes fill_tile added this step
         self.seqs: dict[int, SeqDraft] = {}  # seq_id -> its state, from start to release
+        self._expected = 1.0  # accepted tokens per sequence the selector expected of the last verified arm
+        self.shadow_credit = 0.0  # seconds shadow proposals may spend (shadow.py SHADOW_SHARE)
+        self.queued = False  # requests wait for room (the engine sets it before each plan): finished ones make room
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
                classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0,
@@ -129,7 +130,7 @@ class Speculator:
         self.selector.end_rollout()
         return self.watchdog.end_rollout(list(self.drafters))
 
-    def _watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
+    def watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:
         # acceptance depends on the sampling regime (greedy evaluation vs sampled rollouts): compare like with like
         temps = [s.params.temperature for s in running]
         regime = f"{source}@T{round(sum(temps) / len(temps), 1)}"
@@ -150,7 +151,10 @@ class Speculator:
     def plan(self, running: list, kv_rooms: list[int] | None = None) -> tuple[Arm, list[DraftTree | None] | None]:
         """kv_rooms: per sequence, the draft rows its KV blocks hold (none asked: no bound but max_tokens)."""
         self._contexts = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in running]  # cached before the pass
-        arm = self._arm = self.selector.choose(len(running), self._contexts)
+        mean = self._expected
+        factors = [self.seqs[s.seq_id].accept.factor(mean) if s.seq_id in self.seqs else 1.0 for s in running]
+        remaining = [self._remaining(s) for s in running]
+        arm = self._arm = self.selector.choose(len(running), self._contexts, factors, remaining, self.queued)
         self._trees = []
         if arm == OFF:
             return arm, None
@@ -195,6 +199,12 @@ class Speculator:
                                             *self._free_rows(trees))
         self._trees = trees
         return arm, self._trees
+
+    def _remaining(self, s) -> int:
+        """Tokens the sequence has left: predicted from its prompt's earlier responses, else up to max_tokens."""
+        cap = s.max_tokens - len(s.output_ids)
+        left = self.lengths.remaining(s.prompt_ids, len(s.output_ids))
+        return cap if left is None else min(left, cap)
 
     def _propose(self, drafter: Drafter, seqs: list, budgets: list[int], depths: list[int]) -> list:
         try:
@@ -263,13 +273,16 @@ class Speculator:
         decision = sel.decision
         if decision.arm == arm:
             record.probe, record.pred_tps, record.off_tps = decision.probe, decision.predicted or 0.0, decision.off or 0.0
+        if arm != OFF:  # what the selector expected of the arm, before this step moves it
+            est = sel.acceptance(arm)
+            self._expected = max(est[0], 0.0) if est is not None else self._expected
         # the arm's rows and drafts as the pass ran them (fill_tile's among them): the arm is priced by what it runs
         sel.record(arm, shape, record.total_s, record.emitted, record.drafted, record.draft_s)
         planned = self._planned if len(self._planned) == B else [len(t) if t else 0 for t in trees]
         if record.drafted - self._filled:  # the arm's own nodes: the filled ones are the less likely by design
             own = record.accepted if not self._filled else sum(min(len(v.accepted_nodes), n)
                                                                for v, n in zip(verdicts, planned))
-            self._watch(arm.drafter, "verified", own, record.drafted - self._filled, running)
+            self.watch(arm.drafter, "verified", own, record.drafted - self._filled, running)
         counts: list[tuple[str, int, int] | None] = [None] * B
         for i, (s, tree, v, n) in enumerate(zip(running, trees, verdicts, planned)):
             if tree is not None:
@@ -282,53 +295,12 @@ class Speculator:
                 st = self.seqs[s.seq_id]
                 st.depth = min(2 * st.depth, cfg.max_depth) if full else max(st.depth // 2, cfg.min_depth)
                 used = min(len(v.accepted_nodes), len(v.tokens) - 1)  # accepted tokens after a stop are not emitted
+                if arm != OFF and n:
+                    st.accept.add(used, self._expected)
                 counts[i] = (tree.drafter or "?", len(tree), used)
             for d in self.drafters.values():
                 d.accept(s, v.tokens)
             if s.finished:
                 self.lengths.add(s.prompt_ids, len(s.output_ids))
-        self._shadow(running, arm.drafter)
+        shadow_step(self, running, arm.drafter, record.total_s)
         return counts
-
-    def _shadow(self, running: list, chosen: str) -> None:
-        """Measures the acceptance of drafters not chosen this step: a few sequences per step keep a pending
-        draft path per drafter that is scored against the tokens they emit next."""
-        others = [d for name, d in self.drafters.items() if name != chosen]
-        if not others or not running or len(running) > SHADOW_MAX_BATCH:
-            return
-        start = self._cursor % len(running)
-        self._cursor += SHADOW_SEQS
-        tick = self._cursor // SHADOW_SEQS
-        for i, s in enumerate((running[start:] + running[:start])[:SHADOW_SEQS]):
-            if s.finished:
-                continue
-            shadow = self.seqs[s.seq_id].shadow
-            for d in others:  # drafters whose proposals cost forwards shadow on one sequence every 4th step
-                if d.costly and (i >= 1 or tick % 4):
-                    continue
-                pending = shadow.get(d.name)
-                if pending is not None:
-                    at, path, features = pending
-                    got = s.output_ids[at:]
-                    m = 0
-                    while m < min(len(path), len(got)) and path[m] == got[m]:
-                        m += 1
-                    if m < min(len(path), len(got)) or len(got) >= len(path):
-                        self.selector.record_shadow(d.name, m, len(path))
-                        if features is not None:
-                            self.odds.observe_path(*features, m)
-                        self._watch(d.name, "shadow", m, len(path), [s])
-                        pending = None
-                if pending is None:
-                    depth = self.cfg.init_depth if d.costly else self.cfg.max_depth
-                    try:
-                        tree = d.propose([s], [max(self.selector.budgets)], [depth])[0]
-                    except Exception:
-                        tree = None
-                    path = tree.top_path() if tree else []
-                    if path:
-                        features = (tree.drafter, self.odds.path_features(tree)) if self.cfg.allocate else None
-                        shadow[d.name] = (len(s.output_ids), path, features)
-                    else:
-                        shadow.pop(d.name, None)
-                        self.selector.record_shadow(d.name, 0, 0)
