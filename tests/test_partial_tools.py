@@ -5,11 +5,13 @@ tools run stopped after step 2 and resumed equals the run that never stopped."""
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
 
 from tailrl.config import ConfigError, load_config
+from tailrl.agent.toolbox import load_tools
 from tailrl.config.agent import AgentConfig
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.requests import SeqState
@@ -38,9 +40,9 @@ def tool_chat(tool_chat_folder):
     return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)
 
 
-def _setup(model_tok, spec: str = "off"):
+def _setup(model_tok, spec: str = "off", tools: dict | None = None):
     model, tok = model_tok
-    loop = TurnLoop(AgentConfig(tools=["calculator"], max_turns=3), tok)
+    loop = TurnLoop(AgentConfig(tools=["calculator"], max_turns=3), tok, tools)
     eng = Engine(model, tok, EngineConfig(kv_cache_gb=0.2, batch_invariant=True, seed=0,
                                           spec=SpecConfig(mode=spec, min_match=1)))
     return loop, eng, [loop.encode_prompt(m) for m in MSGS]
@@ -65,6 +67,12 @@ def _same(a, b) -> bool:
     return ((a.token_ids, a.logprobs, a.response_mask, a.finish_reason, a.text, a.trajectory["conversation"])
             == (b.token_ids, b.logprobs, b.response_mask, b.finish_reason, b.text, b.trajectory["conversation"])
             and calls[0] == calls[1])
+
+
+def _reward(c) -> float:
+    """A reward of the kind a tool run's gets: the answer line, the calls that went through, the turns taken."""
+    calls = c.trajectory["tool_calls"]
+    return c.text.count("####") + sum(x["status"] == "ok" for x in calls) + len(c.trajectory["conversation"]) / 10
 
 
 def test_a_trajectory_stopped_at_any_of_its_tokens_resumes_to_the_uninterrupted_one(tool_chat):
@@ -96,6 +104,34 @@ def test_a_trajectory_stopped_at_any_of_its_tokens_resumes_to_the_uninterrupted_
         loop.close()
     assert out.left == [] and len(out.completions) == len(states)
     assert [st.drawn for st, a, b in zip(states, want, out.completions) if not _same(a, b)] == []
+    assert [_reward(c) for c in out.completions] == [_reward(c) for c in want]
+
+
+def _slow_calculator(delay: float) -> dict:
+    """The calculator, answering `delay` seconds late (the same results)."""
+    (calc,) = load_tools(["calculator"]).values()
+    return {"calculator": dataclasses.replace(calc, fn=lambda **kw: (time.sleep(delay), calc.fn(**kw))[1])}
+
+
+def test_a_rollout_stopped_while_tools_run_waits_for_them_and_resumes_after_their_observations(tool_chat):
+    """Stopped the moment a turn ends at a call (its tool still running), the rollout waits for every call in flight
+    and carries those trajectories with the calls' observations; resumed, they end as the straight run's (the calls
+    of the stopped rollout are not made again)."""
+    comps, _ = _straight(tool_chat)
+    loop, eng, prompts = _setup(tool_chat, tools=_slow_calculator(0.05))
+    at_stop = []
+    stop = loop.turns.stop
+    loop.turns.stop = lambda engine: (at_stop.append(len(loop.turns.pending)), stop(engine))[1]
+    try:
+        first = loop.run(eng, requests_of(prompts, _params(), MSGS), done=lambda fin: bool(loop.turns.pending))
+        rest = loop.run(eng, [], states=first.left, messages=[MSGS[st.prompt_index] for st in first.left])
+    finally:
+        loop.close()
+    assert at_stop and at_stop[0] > 0 and first.left  # calls were in flight when it stopped
+    at_call = [st for st in first.left if st.trajectory["turns"] and st.trajectory["start"] == len(st.output_ids)]
+    assert at_call and all(st.trajectory["turns"][-1]["results"] for st in at_call)
+    got = {(c.prompt_index, c.sample_index): c for c in [*first.completions, *rest.completions]}
+    assert len(got) == len(comps) and all(_same(c, got[(c.prompt_index, c.sample_index)]) for c in comps)
 
 
 def _start(label, j, prompt_ids, params, seed):
