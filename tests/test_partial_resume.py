@@ -56,3 +56,33 @@ def test_a_resumed_partial_run_on_smollm2_in_fp32_equals_the_straight_run(tmp_pa
         assert a[2]["rollout/logprob_diff"] < 1e-3
     wa, wb = (load_file(str(d / "checkpoints/step_000003/model/model.safetensors")) for d in (straight, resumed))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# the tools preset (tool_chain's few-shot prompts, the calculator over 4 turns at most) small, as RUN: 2 prompts x 4
+# trajectories of up to 48 tokens a step, fp32, speculation off, `chars` for a spread in every group; on the
+# batch-invariant passes, since when a trajectory's next turn joins the batch follows its tool's timing (plain fp32
+# passes gave the same tokens with logprobs 1e-7 apart, run to run, from step 1)
+TOOLS = (*(x for x in RUN if not x.startswith(("rollout.max_tokens", "reward."))), "rollout.max_tokens=48",
+         "reward.functions=[tests.test_partial_resume:chars]", "reward.weights=[1.0]", "rollout.batch_invariant=true")
+
+
+def test_a_resumed_partial_tools_run_on_smollm2_in_fp32_equals_the_straight_run(tmp_path):
+    """`tailrl train --preset tools rollout.partial=true`, stopped after step 2 and resumed: step 3 continues the
+    trajectories step 2 carried (mid-turn or after a call's observation) to what the run that never stopped drew."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(out, *extra):
+        return train(load_config(None, [*TOOLS, f"trainer.out_dir={out}", *extra], preset="tools"))
+
+    run(straight, "trainer.steps=3")
+    run(resumed, "trainer.steps=2")
+    run(resumed, "trainer.steps=3", "trainer.resume=true")
+    a, b = _rows(straight), _rows(resumed)
+    assert [r["step"] for r in a] == [1, 2, 3] and [r["step"] for r in b] == [1, 2, 3]
+    assert sum(r["agent/tool_calls"] for r in a) > 0 and a[1]["rollout/partial_buffered"] > 0
+    keys = [k for k in a[2] if k.startswith(("reward/", "response_length", "rollout/partial", "rollout/stale",
+                                             "rollout/offpolicy", "rollout/logprob", "actor/pg_loss", "actor/entropy",
+                                             "agent/turns", "agent/tool_calls", "agent/masked_share"))]
+    assert "rollout/logprob_diff" in keys and {k: a[2][k] for k in keys} == {k: b[2][k] for k in keys}
+    wa, wb = (load_file(str(d / "checkpoints/step_000003/model/model.safetensors")) for d in (straight, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

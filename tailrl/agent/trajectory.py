@@ -67,6 +67,8 @@ class Turn:
     calls: list = field(default_factory=list)  # ToolCall
     results: list = field(default_factory=list)  # ToolResult
     observation: list[dict] = field(default_factory=list)  # the messages the results became
+    start: int = 0  # where its tokens begin in the trajectory's ids
+    end: int = 0  # where they end (its observation, if any, follows)
 
 
 @dataclass
@@ -86,15 +88,21 @@ class Trajectory:
     t_done: float = 0.0
 
     def add_model(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        start = len(self.ids)
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logprobs += list(logprobs) if len(logprobs) == len(ids) else [0.0] * len(ids)
-        self.turns.append(Turn(text))
+        self.turns.append(Turn(text, start=start, end=len(self.ids)))
 
     def add_template(self, ids: list[int]) -> None:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+
+    @property
+    def drawn(self) -> int:
+        """The tokens the policy drew (mask 1): a partial rollout's clock (rollout/partial.py)."""
+        return sum(self.mask)
 
     @property
     def model_text(self) -> str:

@@ -245,7 +245,8 @@ class Engine:
         """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, priced by the
         selector's step-time model (Selector.off_seconds), in stats.off_body_s / off_tail_s."""
         col = self._collector
-        if self.speculator is None or stats is None or col is None or col.stats is not stats or len(col.done) < len(col.ids):
+        if (self.speculator is None or stats is None or col is None or col.stats is not stats
+                or any(i not in col.done for i in col.ids)):  # (a partial rollout with tools: later turns are in done)
             return
         comps = [col.done[i] for i in col.ids]
         est = self.speculator.selector.off_seconds([len(c.prompt_token_ids) for c in comps], [len(c.token_ids) for c in comps],

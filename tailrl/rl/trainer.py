@@ -34,6 +34,7 @@ from ..rollout.base import Rollout
 from ..rollout.base import step_params
 from ..rollout.engine import make_rollout
 from ..rollout.partial import Horizon, PartialBuffer, launch_count, staleness, version_runs
+from ..tasks import chat_prompt
 from .samples import pick_samples, sample_steps
 from .checkpoint.state_check import check_checkpoint, python_rng
 from .rewards.verl import adopt_verl, warn_unknown_sources
@@ -227,9 +228,12 @@ class Trainer:
         m, stop = {}, None
         if buf.complete_count() < need:
             horizon = Horizon(buf, need)
+            # agent.tools: each group's conversation, which its trajectories (new or carried) start from
+            messages = {g.gid: chat_prompt(self.train_set[g.index].prompt, cfg.data.system_prompt)
+                        for g in buf.groups} if cfg.agent.enabled else None
             comps, left, lost = self.rollout.generate_partial(
                 [self.train_set[g.index].ids for g, _ in new], [p for _, p in new], [g.gid for g, _ in new],
-                buf.unfinished(carried), self.step, self.last_step_s, horizon, self.actor.weights)
+                buf.unfinished(carried), self.step, self.last_step_s, horizon, self.actor.weights, messages=messages)
             buf.settle(comps, left, horizon, v)
             buf.restart(lost, v)
             stop = horizon.stop if horizon.stop is not None else r.max_tokens

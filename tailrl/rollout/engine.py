@@ -157,16 +157,29 @@ class EngineRollout:
         return comps
 
     def generate_partial(self, prompts: list, params: list, labels: list[int], states: list, step: int,
-                         last_step_s: float, done, weights=None) -> tuple[list, list, list]:
+                         last_step_s: float, done, weights=None,
+                         messages: dict | None = None) -> tuple[list, list, list]:
         """A partial rollout (rollout/partial.py): continues `states` (carried responses, re-prefilled under the weights
         the engine holds now, first in the queue) and starts `prompts` (token ids, their params, group labels);
         `done(finished, running)` is told of each engine step's finished responses and, on demand, (label, sample,
         tokens so far) of the unfinished ones, and returns True once the rollout may stop (rollout/partial.py's Horizon). Returns (the finished completions, the unfinished responses exported as states, the (label,
-        sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate."""
+        sample) keys of responses lost with a failed Ray worker, which restart). weights(): as for generate.
+        With agent.tools the responses are trajectories (rollout/tool_partial.py): messages[label] is each prompt's
+        chat conversation, the clock counts the model's tokens, and the rollout cuts its trajectories where done
+        (a Horizon) stops: done.limit(key)."""
         if self.cluster is not None:
             return self._cluster_partial(prompts, params, labels, states, done, weights)
-        reqs = requests_of(prompts, params, labels=labels)
-        out = self._run(reqs, step, last_step_s, lambda fin: done(fin, self._unfinished), states)
+        if self.agent is None:
+            reqs = requests_of(prompts, params, labels=labels)
+            out = self._run(reqs, step, last_step_s, lambda fin: done(fin, self._unfinished), states)
+            return out.completions, out.left, []
+        reqs = requests_of(prompts, params, [messages[i] for i in labels], labels)
+
+        def running():  # (label, sample, drawn tokens so far) of every unfinished trajectory
+            return self.agent.running(self._lens())
+
+        out = self._run(reqs, step, last_step_s, lambda fin: done(fin, running), states,
+                        messages=[messages[st.prompt_index] for st in states], limit=getattr(done, "limit", None))
         return out.completions, out.left, []
 
     def _cluster_partial(self, prompts, params, labels, states, done, weights):
@@ -202,10 +215,11 @@ class EngineRollout:
         return SeqState(label, j, list(prompt_ids), [], [], dataclasses.replace(params, n=1), seed, max_tokens, stop)
 
     def _run(self, reqs: list, step: int | None, last_step_s: float = 0.0, done=None, states: list | None = None,
-             record: bool = True):
+             record: bool = True, **carry):
         """The turn loop (turns.py) over the engine, single-turn or with tools; between steps the lender feeds the
         drafter buffer and lends threads in the long tail (step None: no lending, the evaluation). done and states:
-        a partial rollout's (turns.py). record: this rollout's metrics become metrics()'s. Returns the TurnsOut."""
+        a partial rollout's (turns.py); carry: with tools, its messages and limit. record: this rollout's metrics
+        become metrics()'s. Returns the TurnsOut."""
         n_seqs = sum(q.params.n for q in reqs) + len(states or [])
         lend = self.lender is not None and step is not None
         if lend:
@@ -213,7 +227,7 @@ class EngineRollout:
             self.lender.begin_step(step, last_step_s, n_seqs=n_seqs)
         on_step = (lambda out: self.lender.on_engine_step(self.engine.num_running, out.finished)) if lend else None
         try:
-            out = self.loop.run(self.engine, reqs, on_step, done, states)
+            out = self.loop.run(self.engine, reqs, on_step, done, states, **carry)
         finally:
             if lend:
                 self.lender.stop()
@@ -226,9 +240,15 @@ class EngineRollout:
 
     def _unfinished(self) -> list[tuple[int, int, int]]:
         """(label, sample, tokens so far) of the engine's running and waiting sequences."""
+        return [(s.prompt_index, s.sample_index, len(s.output_ids)) for s in self._seqs()]
+
+    def _lens(self) -> dict[int, int]:
+        """Tokens so far of the engine's running and waiting sequences, by id (a trajectory's current turn)."""
+        return {s.seq_id: len(s.output_ids) for s in self._seqs()}
+
+    def _seqs(self) -> list:
         sched = self.engine.scheduler
-        return [(s.prompt_index, s.sample_index, len(s.output_ids))
-                for s in [*sched.running, *(s for g in sched.waiting for s in g)]]
+        return [*sched.running, *(s for g in sched.waiting for s in g)]
 
     def _rollout_metrics(self, stats) -> dict:
         return {"rollout/batch_invariant": float(self.batch_invariant), "perf/gen_tokens_per_s": stats.tokens_per_s,

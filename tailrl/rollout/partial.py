@@ -10,6 +10,8 @@ Invariants:
 - A group is trained whole, once all `rollout.n` of its responses finished (GRPO's mean and std stay exact).
 - Where a rollout stops is counted in tokens drawn in it, never in engine steps (`Horizon`): it stops at the
   fewest tokens T at which `need` groups are complete, and every response keeps exactly the tokens it drew up to T.
+  A tool trajectory's drawn tokens are its model's (mask 1; its observations come with their calls): it is cut
+  mid-turn or at a call and resumes there (rollout/tool_partial.py).
   Speculation (several tokens a step, by acceptance), batching, preemption and Ray workers' rounds change how
   fast a rollout gets there, never what the step trains on or carries: a run is reproducible and resumes exactly.
 - No trained token is more than `rollout.partial_max_staleness` versions old: before each rollout, a response whose
@@ -22,11 +24,13 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
 from ..engine import SamplingParams
 from ..engine.requests import SeqState
+from .tool_partial import TrajState, state_from
 
 RESTART_SALT = 7_919  # a restarted response's seed: seed * RESTART_SALT + version (never its old noise)
 
@@ -47,6 +51,19 @@ class Response:
     @property
     def tokens(self) -> list[int]:
         return self.comp.token_ids if self.comp is not None else self.state.output_ids
+
+    @property
+    def drawn(self) -> int:
+        return drawn(self.comp if self.comp is not None else self.state)
+
+
+def drawn(x) -> int:
+    """The tokens the policy drew in a response (a Completion or a state): all of them, or a trajectory's model
+    tokens (mask 1)."""
+    if isinstance(x, TrajState):
+        return x.drawn
+    mask = getattr(x, "response_mask", None)
+    return sum(mask) if mask is not None else len(x.token_ids if hasattr(x, "token_ids") else x.output_ids)
 
 
 @dataclass
@@ -112,20 +129,24 @@ class PartialBuffer:
     def settle(self, comps: list, states: list, horizon: "Horizon", version: int) -> None:
         """The rollout's outcome, cut at the horizon: responses that finished within T tokens are finished; the
         others (finished later, or exported unfinished) are carried with their first T tokens of this rollout."""
-        t = horizon.stop
         for c in comps:
             key = (c.prompt_index, c.sample_index)
-            if t is None or len(c.token_ids) - horizon.start[key] <= t:
+            cut = horizon.limit(key)
+            if cut is None or drawn(c) <= cut:
                 self.finished(c, version)
+            elif getattr(c, "response_mask", None) is not None:  # the rollout cuts trajectories (tool_partial.py)
+                raise RuntimeError(f"the rollout returned trajectory {key} past the horizon uncut: the partial "
+                                   "rollout's bookkeeping is wrong; stopping rather than carry it")
             else:
                 r = self._find(*key)
-                cut = horizon.start[key] + t
                 self.carry([dataclasses.replace(r.state, output_ids=list(c.token_ids[:cut]),
                                                 logprobs=list(c.logprobs[:cut]))], version)
         for st in states:
-            cut = horizon.start[(st.prompt_index, st.sample_index)] + (t if t is not None else len(st.output_ids))
-            self.carry([dataclasses.replace(st, output_ids=list(st.output_ids[:cut]),
-                                            logprobs=list(st.logprobs[:cut]))], version)
+            cut = horizon.limit((st.prompt_index, st.sample_index))
+            if cut is not None:
+                st = st.cut(cut) if isinstance(st, TrajState) else dataclasses.replace(
+                    st, output_ids=list(st.output_ids[:cut]), logprobs=list(st.logprobs[:cut]))
+            self.carry([st], version)
 
     def _find(self, gid: int, j: int) -> Response:
         for g in self.groups:
@@ -207,7 +228,7 @@ class Horizon:
 
     def __init__(self, buf: PartialBuffer, need: int):
         self.need = need - buf.complete_count()
-        self.start = {(g.gid, j): len(r.tokens) for g in buf.groups for j, r in enumerate(g.responses) if not r.done}
+        self.start = {(g.gid, j): r.drawn for g in buf.groups for j, r in enumerate(g.responses) if not r.done}
         self.left = {g.gid: sum(not r.done for r in g.responses) for g in buf.groups}
         self.clock = {g.gid: 0 for g in buf.groups}
         self.failed: set[int] = {g.gid for g in buf.groups if g.failed}
@@ -219,7 +240,7 @@ class Horizon:
         so far) of every unfinished response."""
         for c in finished:
             gid = c.prompt_index
-            self.clock[gid] = max(self.clock[gid], len(c.token_ids) - self.start[(gid, c.sample_index)])
+            self.clock[gid] = max(self.clock[gid], drawn(c) - self.start[(gid, c.sample_index)])
             self.left[gid] -= 1
             if c.finish_reason == "error":
                 self.failed.add(gid)
@@ -232,6 +253,11 @@ class Horizon:
             return False
         self.stop = c
         return True
+
+    def limit(self, key: tuple[int, int]) -> int | None:
+        """The drawn tokens response `key` (group, sample) keeps: those it had, then the horizon's T (None: no
+        stop, it keeps all)."""
+        return None if self.stop is None else self.start[key] + self.stop
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:
@@ -249,13 +275,26 @@ def staleness(comps: list, version: int) -> dict:
     """How old the trained tokens are under the update of `version`, over the completions the update gets (each
     with its `policy_versions` runs): after dynamic sampling's filter and over every round, those served from the
     buffer (no token drawn) included; 0 when nothing is trained."""
-    ages = [(version - v, k) for c in comps for v, k in c.stats["policy_versions"]]
+    per = [_ages(c, version) for c in comps]
+    ages = [x for a in per for x in a]
     tokens = sum(k for _, k in ages)
     return {"rollout/offpolicy_token_frac": sum(k for a, k in ages if a > 0) / tokens if tokens else 0.0,
             "rollout/staleness_mean": sum(a * k for a, k in ages) / tokens if tokens else 0.0,
             "rollout/staleness_max": max((a for a, k in ages if k), default=0),
-            "rollout/offpolicy_responses": sum(any(v < version for v, k in c.stats["policy_versions"] if k)
-                                               for c in comps)}
+            "rollout/offpolicy_responses": sum(any(a > 0 for a, k in x if k) for x in per)}
+
+
+def _ages(c, version: int) -> list[tuple[int, int]]:
+    """(age, trained tokens) per run of a completion's policy versions: a trajectory's observation tokens (response
+    mask 0, tagged with the rollout that appended them) are not trained and count in none."""
+    runs, mask = c.stats["policy_versions"], getattr(c, "response_mask", None)
+    if mask is None:
+        return [(version - v, k) for v, k in runs]
+    out, i = [], 0
+    for v, k in runs:
+        out.append((version - v, sum(mask[i:i + k])))
+        i += k
+    return out
 
 
 def launch_count(oversample: float, need: int, buffered: int) -> int:
@@ -282,7 +321,7 @@ def _state_dict(st: SeqState) -> dict:
 def _state_from(d: dict) -> SeqState:
     d = dict(d)
     d["params"] = SamplingParams(**d["params"])
-    return SeqState(**d)
+    return state_from(d)
 
 
 _COMP_FIELDS = ("seq_id", "prompt_index", "sample_index", "prompt_token_ids", "token_ids", "text", "logprobs",
@@ -290,10 +329,17 @@ _COMP_FIELDS = ("seq_id", "prompt_index", "sample_index", "prompt_token_ids", "t
 
 
 def _comp_dict(c) -> dict:
-    return {k: getattr(c, k) for k in _COMP_FIELDS}
+    d = {k: getattr(c, k) for k in _COMP_FIELDS}
+    if getattr(c, "response_mask", None) is not None:  # a trajectory: its mask, and its record (what rewards read) as
+        # JSON text (a call's arguments are the model's: any key)
+        d.update(response_mask=list(c.response_mask), trajectory=json.dumps(c.trajectory), stats=dict(c.stats))
+    return d
 
 
 def _comp_from(d: dict):
     from ..engine.sequence import Completion
 
-    return Completion(**{k: d[k] for k in _COMP_FIELDS})
+    c = Completion(**{k: d[k] for k in _COMP_FIELDS})
+    if d.get("response_mask") is not None:
+        c.response_mask, c.trajectory, c.stats = list(d["response_mask"]), json.loads(d["trajectory"]), dict(d["stats"])
+    return c

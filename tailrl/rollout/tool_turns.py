@@ -16,7 +16,10 @@ Invariants:
   from whole-trajectory prompts that differ from epoch to epoch; the ngram drafter copies tool outputs and earlier
   calls from the request's own ids;
 - a trajectory ends at EOS, at a turn without a tool call, after agent.max_turns turns, or when rollout.max_tokens
-  (model and observation tokens together, as TRL's max_completion_length) has no room for the next observation."""
+  (model and observation tokens together, as TRL's max_completion_length) has no room for the next observation;
+- partial rollouts (tool_partial.py): a run may start from carried trajectories (`carry_in`) and stop early (`stop`:
+  the calls in flight answer first), its unfinished trajectories carried mid-turn or after a call's observation
+  (`carry_out`), each resuming exactly where it stopped."""
 
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from ..agent.toolbox import load_tools
 from ..agent.trajectory import ChatDelta, Trajectory, drift, turn_seed
 from ..config.agent import AgentConfig
 from ..engine import Completion, Completions, SamplingParams
+from ..engine.requests import SeqState
 from ..engine.tail import tail_size
+from .tool_partial import carried, resumed
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +54,17 @@ class ToolTurns:
         self.eos = {tokenizer.eos_token_id}
         self._warned_drift = False
         self.last: list[Trajectory] = []
-        # one run's state: its trajectories, the trajectory and params of each sequence in the engine, and the
-        # tool calls in flight (future -> (trajectory, the next turn's params, calls))
+        self.reset()
+
+    def reset(self) -> None:
+        """A run starts. Its state: its trajectories and the state each began from (label, sample, the request's
+        params), the trajectory and params of each sequence in the engine, the tool calls in flight (future ->
+        (trajectory, the next turn's params, calls)), and after a stop the turns taken out of the engine."""
         self.trajs: list[Trajectory] = []
+        self.origins: list[SeqState] = []
         self.owner: dict[int, tuple[Trajectory, SamplingParams]] = {}
         self.pending: dict = {}
+        self.current: dict[int, SeqState] = {}  # id(trajectory) -> its turn as exported at the stop
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         """A prompt's ids as the format shows tools (hermes: the schemas through the chat template)."""
@@ -69,51 +80,121 @@ class ToolTurns:
         return [dataclasses.replace(p, stop=list(p.stop) + self.fmt.stop, keep_kv=self.cfg.keep_kv) for p in params]
 
     def begin(self, requests: list, params: list[SamplingParams], ids: list[int], t0: float) -> None:
-        """A run starts: one trajectory per sample of each request (sample j of a seeded request draws its turns
-        from seed + j), owning its turn-0 sequence."""
-        self.trajs, self.owner, self.pending = [], {}, {}
+        """One trajectory per sample of each request (sample j of a seeded request draws its turns from seed + j),
+        owning its turn-0 sequence, labelled as the request is (its place in the batch without a label)."""
         k = 0
         for i, (q, p) in enumerate(zip(requests, params)):
+            label = i if q.label is None else q.label
             for j in range(p.n):
                 seed = (p.seed + j) if p.seed is not None else hash((i, j, t0)) % (1 << 62)
-                tr = Trajectory(i, j, seed, list(q.ids), list(q.messages), seq_id=ids[k])
+                tr = Trajectory(label, j, seed, list(q.ids), list(q.messages), seq_id=ids[k])
                 self.trajs.append(tr)
+                self.origins.append(SeqState(label, j, list(q.ids), [], [], dataclasses.replace(q.params, n=1), seed,
+                                             q.params.max_tokens, list(q.params.stop_token_ids)))
                 self.owner[ids[k]] = (tr, dataclasses.replace(p, n=1, seed=None))
                 k += 1
 
-    def resume_ready(self, engine, lock_step: bool) -> None:
+    def carry_in(self, engine, states: list, messages: list) -> list[int]:
+        """Carried trajectories (tool_partial.TrajState, or states not begun: a first turn) re-enter, each at its
+        current turn: the request _resume would make of its ids so far, whose tokens so far (a turn cut mid-way)
+        go back in through export / import_, so the turn draws on from the next position as it would have. messages:
+        each state's prompt as chat messages. Returns their sequence ids."""
+        ids = []
+        for st, msgs in zip(states, messages):
+            tr, out, lps = resumed(st, msgs)
+            p = dataclasses.replace(self.first_params([st.params])[0], n=1, seed=None, resume=None)
+            k = len(tr.turns)
+            nxt = dataclasses.replace(p, max_tokens=p.max_tokens - len(tr.ids), seed=turn_seed(tr.seed, k),
+                                      history=(tr.prompt_ids, k) if k else p.history)
+            (sid,) = engine.add_requests([tr.prompt_ids + tr.ids], nxt)
+            if out and sid in engine.unfinished_ids():  # (a rejected request ends its trajectory at the next step)
+                (fresh,) = engine.export([sid])
+                (sid,) = engine.import_([dataclasses.replace(fresh, output_ids=out, logprobs=lps)])
+            tr.seq_id = sid
+            self.owner[sid] = (tr, p)
+            self.trajs.append(tr)
+            self.origins.append(st)
+            ids.append(sid)
+        return ids
+
+    def running(self, lens: dict[int, int]) -> list[tuple[int, int, int]]:
+        """(label, sample, drawn tokens so far) of every unfinished trajectory (a partial rollout's Horizon reads
+        them); lens: the tokens so far of the engine's unfinished sequences by id."""
+        return ([(tr.prompt_index, tr.sample_index, tr.drawn + lens.get(sid, 0)) for sid, (tr, _) in self.owner.items()]
+                + [(tr.prompt_index, tr.sample_index, tr.drawn) for tr, _, _ in self.pending.values()])
+
+    def stop(self, engine) -> None:
+        """The rollout stops early: the calls still running answer first and their observations go in (a call runs
+        once, in the rollout that drew it), then every turn left in the engine comes out with its tokens so far."""
+        while self.pending:
+            wait(list(self.pending))
+            self.resume_ready(engine, False)
+        sids = [i for i in engine.unfinished_ids() if i in self.owner]
+        for sid, st in zip(sids, engine.export(sids)):
+            self.current[id(self.owner.pop(sid)[0])] = st
+        if self.owner and engine.has_work():  # turns the engine rejected at their start: their errors end them
+            for c in engine.step().finished:
+                self.end_turn(engine, c)
+        now = time.perf_counter()
+        for tr in self.trajs:
+            tr.t_done = tr.t_done if tr.finish_reason is not None else now
+
+    def carry_out(self, limit) -> tuple[list[Completion], list]:
+        """After `stop`: (the trajectories that finished within the horizon, as Completions; the rest as carried
+        states cut at it). limit(label, sample) -> the drawn tokens that trajectory keeps (None: all; rollout/
+        partial.py's Horizon.limit)."""
+        done, left = [], []
+        for tr, origin in zip(self.trajs, self.origins):
+            n = limit((tr.prompt_index, tr.sample_index)) if limit is not None else None
+            if tr.finish_reason is not None and (n is None or tr.drawn <= n):
+                done.append(self._completion(tr))
+                continue
+            cur = self.current.get(id(tr))
+            st = carried(origin, tr, cur.output_ids if cur else (), cur.logprobs if cur else ())
+            left.append(st.cut(n) if n is not None else st)
+        return done, left
+
+    def resume_ready(self, engine, lock_step: bool) -> list[Completion]:
         """Trajectories whose tools answered re-enter the engine (lock_step: only once every turn in flight has
-        ended and every tool has answered)."""
+        ended and every tool has answered); returns those that ended there instead (no room for the observation)."""
         ready = [f for f in self.pending if f.done()]
         if lock_step and (engine.has_work() or len(ready) < len(self.pending)):
-            return
+            return []
+        ended = []
         for fut in ready:
             tr, p, calls = self.pending.pop(fut)
-            if not self._resume(engine, tr, p, calls, fut.result()) and self.cfg.keep_kv:
-                engine.drop_kept([p.resume])
+            if not self._resume(engine, tr, p, calls, fut.result()):
+                ended.append(self._completion(tr))
+                if self.cfg.keep_kv:
+                    engine.drop_kept([p.resume])
+        return ended
 
     def wait(self, lock_step: bool) -> None:
         """Nothing left to decode: block on the pool (the first answer, or all of them with lock_step)."""
         if self.pending:
             wait(list(self.pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
 
-    def end_turn(self, engine, c: Completion) -> None:
-        """A turn finished: its calls go to the pool, or its trajectory ends (and its kept K/V is dropped)."""
+    def end_turn(self, engine, c: Completion) -> Completion | None:
+        """A turn finished: its calls go to the pool, or its trajectory ends (and its kept K/V is dropped); returns
+        the trajectory's Completion when it ended."""
         tr, p = self.owner.pop(c.seq_id)
         calls = self._end_turn(tr, c)
         if calls:  # the next turn continues this one's parked KV (if the engine kept it)
             self.pending[self.pool.submit(self.tools, calls)] = (tr, dataclasses.replace(p, resume=c.seq_id), calls)
-        elif self.cfg.keep_kv:  # the trajectory ended: this turn's K/V, and the last one's if this turn never took it
+            return None
+        if self.cfg.keep_kv:  # the trajectory ended: this turn's K/V, and the last one's if this turn never took it
             engine.drop_kept([c.seq_id, p.resume])
+        return self._completion(tr)
 
     def result(self, stats, t0: float, kept_tokens: int) -> tuple[Completions, dict]:
-        """(one Completion per trajectory in (prompt, sample) order, the agent/* metrics); kept_tokens: positions
-        the run's resumed turns did not prefill."""
+        """(one Completion per trajectory in (prompt, sample) order, the agent/* metrics: over the trajectories that
+        ended, when a partial rollout carries others); kept_tokens: positions the run's resumed turns did not
+        prefill."""
         trajs = self.trajs
         comps = Completions(self._completion(tr) for tr in trajs)
         comps.stats = stats
         self.last = trajs
-        metrics = self._metrics(trajs, t0, stats.total_s)
+        metrics = self._metrics([tr for tr in trajs if tr.finish_reason is not None] or trajs, t0, stats.total_s)
         metrics["agent/kv_kept_tokens"] = kept_tokens / max(len(trajs), 1) if self.cfg.keep_kv else 0.0
         return comps, metrics
 
@@ -173,8 +254,8 @@ class ToolTurns:
              "agent/tool_timeouts": status.count("timeout"), "agent/tool_s": sum(r.seconds for r in results),
              "agent/masked_share": masked / max(sum(len(tr.mask) for tr in trajs), 1),
              "agent/max_turns_hit": sum(tr.finish_reason == "max_turns" for tr in trajs) / n}
-        if self.cfg.strict_tokens:
-            m["agent/token_drift"] = sum(self._drifts(tr) for tr in trajs) / n
+        if self.cfg.strict_tokens:  # (a carried trajectory's conversation is unclosed: it has none yet)
+            m["agent/token_drift"] = sum(self._drifts(tr) for tr in trajs if tr.finish_reason is not None) / n
         done = sorted(tr.t_done - t0 for tr in trajs)  # the tail by trajectory: the last quarter still unfinished
         k = len(done) - tail_size(len(done))
         m["agent/tail_share"] = (total_s - done[k - 1]) / total_s if 0 < k <= len(done) and total_s > 0 else 0.0

@@ -192,7 +192,8 @@ def _check_partial(saved) -> None:
     for k, g in enumerate(buf.groups):
         for j, r in enumerate(g.responses):
             st = r.state
-            if len(r.versions) != len(r.tokens) or len(st.logprobs) != len(st.output_ids):
+            mask = (getattr(st, "trajectory", None) or {}).get("mask", st.output_ids)  # a trajectory's: 1 a drawn token
+            if len(r.versions) != len(r.tokens) or len({len(st.logprobs), len(st.output_ids), len(mask)}) > 1:
                 raise StateError(f"partial.groups.{k}.responses.{j}", "tokens, logprobs and versions differ in length")
 
 
