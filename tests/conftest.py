@@ -186,3 +186,17 @@ def make_tiny_vllm_model(folder, words=VLLM_WORDS, scale: float = 30.0, chat: bo
     hf.save_pretrained(folder)
     fast.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tool_chat_folder(tmp_path_factory):
+    """A tiny chat model whose vocabulary has the calculator's tags: its random draws write calls, good and
+    malformed (tests of tool rollouts)."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=TOOL_WORDS))
+
+
+@pytest.fixture(scope="module")
+def tool_chat(tool_chat_folder):
+    from tailrl.model import load_model
+
+    return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)

@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from tailrl.config import ConfigError, load_config
 from tailrl.engine import Engine, EngineConfig, SamplingParams
@@ -15,20 +14,6 @@ from tailrl.rollout.base import requests_of
 from tailrl.rollout.turns import TurnLoop
 from tailrl.agent.toolbox import load_tools
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import TOOL_WORDS, make_tiny_chat_model
-
-
-@pytest.fixture(scope="module")
-def tool_chat_folder(tmp_path_factory):
-    """A tiny chat model whose vocabulary has the tags: its random draws write calls, good and malformed."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=TOOL_WORDS))
-
-
-@pytest.fixture(scope="module")
-def tool_chat(tool_chat_folder):
-    from tailrl.model import load_model
-
-    return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)
 
 
 # ---- config -------------------------------------------------------------------------------------------------------

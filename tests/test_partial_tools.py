@@ -22,22 +22,8 @@ from tailrl.rollout.partial import Horizon, PartialBuffer, staleness, version_ru
 from tailrl.rollout.tool_partial import TrajState, carried
 from tailrl.rollout.turns import TurnLoop
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import TOOL_WORDS, make_tiny_chat_model
 
 MSGS = [[{"role": "user", "content": f"{a} + {b} ?"}] for a, b in ((1, 2), (3, 4), (5, 6))]
-
-
-@pytest.fixture(scope="module")
-def tool_chat_folder(tmp_path_factory):
-    """The tiny chat model whose vocabulary has the calculator's tags: its random draws write calls."""
-    return str(make_tiny_chat_model(tmp_path_factory.mktemp("toolchat"), seed=3, words=TOOL_WORDS))
-
-
-@pytest.fixture(scope="module")
-def tool_chat(tool_chat_folder):
-    from tailrl.model import load_model
-
-    return load_model(tool_chat_folder, device="cpu", dtype=torch.float32)
 
 
 def _setup(model_tok, spec: str = "off", tools: dict | None = None):
