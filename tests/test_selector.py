@@ -277,7 +277,7 @@ def test_a_token_the_rollout_does_not_wait_for_is_worth_its_row_not_a_step():
 def test_a_sequences_share_of_acceptance_follows_what_it_accepted():
     """SeqAccept: a sequence whose drafts are always rejected falls below a tenth of the drafters' mean within 30
     verified steps, one that accepts what was expected stays at 1, and with nothing measured it is 1."""
-    from tailrl.speculative.selector import SeqAccept
+    from tailrl.speculative.rates import SeqAccept
 
     hard, alike, new = SeqAccept(), SeqAccept(), SeqAccept()
     for _ in range(30):

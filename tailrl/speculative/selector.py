@@ -32,9 +32,14 @@ import random
 from dataclasses import dataclass
 
 from .config import SpecConfig
+from .rates import Rate, SeqAccept
 from .step_cost import Geometry, Shape, StepTime, batch_bucket
 
 PROBE_MIN, PROBE_MAX = 8, 64  # steps of a bucket between probes of the arm not chosen
+# what exploration may cost: a probe or first try runs only while the seconds it is predicted to lose against the
+# arm chosen (`_regret`) fit in a credit that every decode step adds this share of its seconds to (at most
+# CREDIT_STEPS steps' worth banked). On a first visit probes and tries cost 3-4% of the rollout before.
+EXPLORE_SHARE, CREDIT_STEPS = 0.01, 200
 
 
 @dataclass(frozen=True)
@@ -47,47 +52,6 @@ class Arm:
 
 
 OFF = Arm("")
-
-
-class Rate:
-    """Tokens per sequence-step (accepted, or drafted), as exponentially decayed sums over sequence-steps: a
-    32-sequence step weighs 32 single-sequence shadow observations, and one lucky sequence moves it little."""
-
-    def __init__(self, half_life: float = 200.0):
-        self.decay = 0.5 ** (1 / half_life)
-        self.total = 0.0
-        self.weight = 0.0
-
-    def add(self, value_sum: float, seq_steps: int) -> None:
-        d = self.decay**seq_steps
-        self.total = self.total * d + value_sum
-        self.weight = self.weight * d + seq_steps
-
-    def mean(self, default: float) -> float:
-        return self.total / self.weight if self.weight > 0 else default
-
-
-class SeqAccept:
-    """One sequence's share of its drafters' acceptance: accepted tokens on its verified steps over what the
-    selector expected of the arm there, decayed (its text now counts more than its text long ago) and pulled
-    towards 1 by PRIOR_STEPS expected steps. The sequences a rollout's tail is left with are those whose drafts
-    failed (the others finished early): priced at the drafters' mean, the tail was predicted 1.5x and measured
-    1.2x (benchmarks/RESULTS.md section 25)."""
-
-    PRIOR_STEPS, DECAY = 1.0, 0.9
-
-    def __init__(self):
-        self.got = 0.0
-        self.expected = 0.0
-
-    def add(self, accepted: float, expected: float) -> None:
-        self.got = self.DECAY * self.got + accepted
-        self.expected = self.DECAY * self.expected + expected
-
-    def factor(self, mean: float) -> float:
-        """mean: the drafters' expected accepted tokens per step (the prior's unit)."""
-        prior = self.PRIOR_STEPS * max(mean, 0.05)
-        return (self.got + prior) / (self.expected + prior)
 
 
 @dataclass
@@ -130,6 +94,7 @@ class Selector:
         self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft_s: dict[str, float] = {d: 0.0 for d in drafters}  # seconds per sequence proposal (EMA)
         self.probes: dict[int, _Probe] = {}
+        self.credit = 0.0  # seconds exploration may still lose (EXPLORE_SHARE)
         self.decision = Decision()
         self.rng = random.Random(cfg.seed)
 
@@ -210,10 +175,31 @@ class Selector:
         est = self.acceptance(arm)
         if est is None:
             return None
-        accepted, drafted = est
-        accepted *= hardness
+        t = self.step_s(arm, contexts)
+        return B * (1 + est[0] * hardness) / t if t else None
+
+    def step_s(self, arm: Arm, contexts: list[int]) -> float | None:
+        """Predicted seconds of a step of the arm over these sequences, drafting included (an arm never measured:
+        its full budget)."""
+        if arm == OFF:
+            return self.plain_step_s(contexts)
+        est = self.acceptance(arm)
+        drafted = est[1] if est is not None else arm.budget
         t = self.time.seconds(self.geometry.uniform(contexts, min(drafted, arm.budget)))
-        return B * (1 + accepted) / (t + B * self.draft_s[arm.drafter]) if t else None
+        return t + len(contexts) * self.draft_s[arm.drafter] if t else None
+
+    def _regret(self, arm: Arm, chosen: Arm, scores: dict, contexts: list[int]) -> float:
+        """Seconds a step of `arm` is predicted to lose against one of `chosen`: its seconds less what the chosen
+        arm would take for the tokens it yields (unpriced acceptance: it yields what a plain step does)."""
+        t = self.step_s(arm, contexts)
+        if not t:
+            return 0.0
+        s, c = scores.get(arm), scores.get(chosen)
+        if not c or c == float("inf"):
+            return 0.0
+        if s is None or s == float("inf"):
+            return max(t - len(contexts) / c, 0.0)
+        return max(t * (1 - s / c), 0.0)
 
     def free_depth(self, contexts: list[int], slack: float = 0.1) -> int:
         """The deepest budget whose draft rows the model prices at most `slack` of a plain step (the tail on a CPU,
@@ -245,7 +231,8 @@ class Selector:
         spec = [a for a in self.drafter_arms if scores[a] is not None]
         best = max(spec, key=lambda a: scores[a], default=None)
         trial = min(untried, key=lambda a: a.budget, default=None)
-        if trial is not None and off is not None and self._cheap(trial, contexts):
+        if trial is not None and off is not None and self._cheap(trial, contexts) and (
+                OFF not in scores or self._spend(self._regret(trial, best or OFF, scores, contexts))):
             best = trial  # a drafter never measured: its smallest budget is tried first, where that costs little
             scores[best] = float("inf")
         if OFF not in scores:  # a fixed drafter mode
@@ -260,25 +247,31 @@ class Selector:
             near = [a for a in spec if scores[a] >= 0.85 * scores[best]]  # budgets near the best, measured too
             best = self.rng.choice(near) if near else best
         # a probe of an arm predicted far below plain decoding waits PROBE_MAX steps: it mostly costs
-        probe = self._probe(B, want_spec, far=not want_spec and scores[best] < self.far * off)
-        arm = (self._probe_arm(B, best) if want_spec else best) if probe else best if want_spec else OFF
+        chosen = best if want_spec else OFF
+        other = self._probe_arm(B, best, peek=True) if want_spec else best
+        probe = self._probe(B, want_spec, far=not want_spec and scores[best] < self.far * off,
+                            regret=self._regret(other, chosen, scores, contexts))
+        arm = (self._probe_arm(B, best) if want_spec else best) if probe else chosen
         predicted = self.goodput(arm, contexts, mean) if arm != OFF and scores[arm] != float("inf") else scores[arm]
         self.decision = Decision(arm, predicted, off, probe, self.probes[batch_bucket(B)].interval / 2 if probe else 1.0,
                                  worth)
         return arm
 
-    def _probe_arm(self, B: int, best: Arm) -> Arm:
+    def _probe_arm(self, B: int, best: Arm, peek: bool = False) -> Arm:
         """While speculating, probes take turns: OFF every other one, between them the budgets next to the best's
-        and the other drafters' best measured arms (a price no step measures is never corrected otherwise)."""
-        p = self.probes[batch_bucket(B)]
-        p.turn += 1
-        if p.turn % 2:
+        and the other drafters' best measured arms (a price no step measures is never corrected otherwise).
+        peek: the arm the next probe would run, without taking the turn."""
+        p = self.probes.get(batch_bucket(B)) or _Probe()
+        turn = p.turn + 1
+        if not peek:
+            p.turn = turn
+        if turn % 2:
             return OFF
         i = self.budgets.index(best.budget)
         near = [Arm(best.drafter, self.budgets[j]) for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)]
         others = [a for a in self.drafter_arms if a.drafter != best.drafter and a.budget == best.budget]
         options = near + others
-        return options[(p.turn // 2) % len(options)] if options else OFF
+        return options[(turn // 2) % len(options)] if options else OFF
 
     def _cheap(self, arm: Arm, contexts: list[int]) -> bool:
         """Whether a step of the arm is predicted to cost at most TRY_COST of a plain one (drafts not measured
@@ -287,18 +280,26 @@ class Selector:
         t = self.time.seconds(self.geometry.uniform(contexts, arm.budget))
         return bool(plain) and t is not None and t <= self.try_cost * plain
 
-    def _probe(self, B: int, want_spec: bool, far: bool = False) -> bool:
+    def _probe(self, B: int, want_spec: bool, far: bool = False, regret: float = 0.0) -> bool:
         """Whether this step of B sequences runs the side not chosen (module docstring: probes); far: the side
-        not chosen is predicted far below, and is probed only every PROBE_MAX steps."""
+        not chosen is predicted far below, and is probed only every PROBE_MAX steps; regret: the seconds the probe
+        is predicted to lose: a probe that is due waits until the exploration credit covers it."""
         p = self.probes.setdefault(batch_bucket(B), _Probe(want_spec))
         if want_spec != p.spec:  # the choice flipped: watch it closely again
             p.spec, p.interval, p.since = want_spec, PROBE_MIN, 0
             return False
         p.since += 1
-        if p.since < (PROBE_MAX if far else p.interval):
+        if p.since < (PROBE_MAX if far else p.interval) or not self._spend(regret):
             return False
         p.since = 0
         p.interval = min(2 * p.interval, PROBE_MAX)
+        return True
+
+    def _spend(self, regret: float) -> bool:
+        """Takes `regret` seconds from the exploration credit if it holds them."""
+        if regret > self.credit:
+            return False
+        self.credit -= regret
         return True
 
     # ---- feedback ---------------------------------------------------------------------------------------------
@@ -307,6 +308,7 @@ class Selector:
         """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted and
         the draft rows of the arm it verified."""
         B = shape.seqs
+        self.credit = min(self.credit + EXPLORE_SHARE * step_s, CREDIT_STEPS * EXPLORE_SHARE * step_s)
         weight = self.decision.weight if self.decision.arm == arm else 1.0
         self.time.record(shape, max(step_s - draft_s, 0.0), weight)
         if arm != OFF:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+from .selector import Arm
+
 SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per unchosen drafter
 # of a step's seconds, what shadow proposals may spend (a credit carried across steps): at a rollout's first visit
 # the n-gram drafters' shadow proposals took 15 ms of every 100 ms plain step at 24-32 sequences (RESULTS 25)
-SHADOW_SHARE = 0.02
+SHADOW_SHARE = 0.015
 # no shadow drafts above this batch: acceptance is a property of the drafter, not the batch size, and the tail
 # of every rollout measures it; above it, shadows made the drafters index every token (TokenIndex is lazy)
 SHADOW_MAX_BATCH = 32
@@ -42,6 +44,11 @@ def shadow_step(sp, running: list, chosen: str, step_s: float = 0.0) -> None:
                     m += 1
                 if m < min(len(path), len(got)) or len(got) >= len(path):
                     sp.selector.record_shadow(d.name, m, len(path))
+                    # the sequence's own share of acceptance (SeqAccept): on a first visit most steps are plain,
+                    # and the rollout waits for the sequences its drafts miss (Selector.worth)
+                    est = sp.selector.acceptance(Arm(d.name, max(sp.selector.budgets)))
+                    if est is not None and est[0] > 0 and s.seq_id in sp.seqs:
+                        sp.seqs[s.seq_id].accept.add(m, est[0])
                     if features is not None:
                         sp.odds.observe_path(*features, m)
                     sp.watch(d.name, "shadow", m, len(path), [s])

@@ -22,7 +22,8 @@ from .allocate import AcceptanceModel, allocate, fill_tile
 from .budgets import LengthTracker, block_budget, block_end, das_budgets
 from .config import SpecConfig
 from .drafters import Drafter, model_free_drafters
-from .selector import OFF, Arm, SeqAccept, Selector
+from .rates import SeqAccept
+from .selector import OFF, Arm, Selector
 from .shadow import shadow_step
 from .step_cost import Geometry, Shape
 from .tree import DraftTree

@@ -65,11 +65,22 @@ class Geometry:
                      (sum(contexts) + B) / 1e3)
 
     def uniform(self, contexts: list[int], depth: float) -> Shape:
-        """The pass where every sequence verifies `depth` draft rows (a fraction: the mean over them)."""
+        """The pass where every sequence verifies `depth` draft rows (a fraction: the mean over them): `shape` of
+        the first round(frac * B) sequences at the depth's ceiling and the rest at its floor, in closed form (the
+        selector prices every arm with it on every step)."""
+        B = len(contexts)
         lo = int(depth)
-        frac = depth - lo
-        k = round(frac * len(contexts))
-        return self.shape(contexts, [lo + 1] * k + [lo] * (len(contexts) - k))
+        k = round((depth - lo) * B)
+        total = sum(contexts)
+        head = sum(contexts[:k]) if k else 0
+        keys = pairs = 0.0
+        for d, n, S in ((lo + 1, k, head), (lo, B - k, total - head)):
+            if n:
+                keys += self._items(1 + d) * (S + n * (1 + d))
+                pairs += d * (S + n * d)
+        D = lo * B + k
+        return Shape(B, D, self.passes(B + D) if B else 0.0, self.passes(B) if B else 0.0, keys / 1e3, pairs / 1e3,
+                     (total + B) / 1e3)
 
     def _items(self, q: int) -> int:
         return -(-q // self.row_block) if self.row_block else 1
