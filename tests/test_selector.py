@@ -313,3 +313,77 @@ def test_a_probe_of_an_arm_predicted_far_below_plain_waits_probe_max_steps():
     late = [d for d, _, _ in steps[100:]]
     assert sum(d > 0 for d in late) <= len(late) // PROBE_MAX + 1, late
     assert PROBE_MIN < PROBE_MAX
+
+
+def test_a_bucket_whose_speculative_steps_measure_slower_decodes_plainly():
+    """The guard: where a bucket's speculative steps ran slower than the model's plain step for the same sequences
+    (here: at 3x the seconds their prices said, a cost the model's features do not carry), the bucket decodes
+    plainly within GUARD_STEPS such steps whatever the prices say; another bucket is untouched, and speculative
+    steps measured paying again (a probe's) lift it."""
+    from tailrl.speculative.selector import GUARD_STEPS
+
+    sel = trained(TAIL_ONLY, sizes=(4, 4, 1), steps=80)
+    contexts = [200 + 7 * i for i in range(4)]
+    arm = sel.choose(4, contexts)
+    assert arm != OFF and not sel.vetoed(4)
+    shape = sel.geometry.shape(contexts, [arm.budget] * 4)
+    slow = 3 * TAIL_ONLY.seconds(contexts, arm.budget)
+    for _ in range(int(GUARD_STEPS) + 1):
+        sel.decision.weight = 1.0
+        sel.record(arm, shape, slow, 4 + 4, 4 * arm.budget, 0.0)
+        sel.time = trained(TAIL_ONLY, sizes=(4, 1), steps=40).time  # prices stay those of the world without it
+    assert sel.vetoed(4) and sel.choose(4, contexts) == OFF
+    assert not sel.vetoed(1) and sel.choose(1, [200]) != OFF
+    fast = TAIL_ONLY.seconds(contexts, arm.budget)
+    for _ in range(40):
+        sel.record(arm, shape, fast, 4 + 4 * 2, 4 * arm.budget, 0.0)
+    assert not sel.vetoed(4)
+
+
+def test_exploration_costs_at_most_its_credit():
+    """Where drafts lose by 7-24% at 6-48 sequences and pay at 3 (probes of a close call, not a far one), with
+    rollouts of 12 steps at each of five batch sizes and every rollout starting the probes again: what the run
+    loses against plain decoding stays within EXPLORE_SHARE of its seconds (plus 1% for the world's noise). The
+    probes and first tries are paid from the credit: with none, no speculative step runs where drafts lose, once
+    the first rollout measured them; with it, probes keep measuring there."""
+    from tailrl.speculative import selector as selmod
+
+    world = World(accept=0.45, row_s=0.003)
+    sizes = (48, 24, 12, 6, 3)
+    assert [world.best([200] * B)[0] > 0 for B in sizes] == [False] * 4 + [True]
+
+    def run_all(share: float) -> tuple[float, int]:
+        old, selmod.EXPLORE_SHARE = selmod.EXPLORE_SHARE, share
+        try:
+            sel = make_selector()
+            spent = plain = 0.0
+            late = 0
+            for r in range(25):
+                for B in sizes:
+                    steps = run(sel, world, B, 12, seed=10 * r + B)
+                    spent += sum(t for _, t, _ in steps)
+                    plain += sum(e for _, _, e in steps) / off_rate(world, B, 12, seed=r)
+                    late += sum(d > 0 for d, _, _ in steps) if r and B >= 6 else 0
+                sel.end_rollout()
+        finally:
+            selmod.EXPLORE_SHARE = old
+        return 1 - plain / spent, late
+
+    lost, probes = run_all(selmod.EXPLORE_SHARE)
+    assert lost <= selmod.EXPLORE_SHARE + 0.01, lost
+    assert probes >= 10, probes
+    assert run_all(0.0)[1] <= probes // 5, probes
+
+
+def test_a_uniform_pass_is_the_pass_of_its_rows():
+    """Geometry.uniform (closed form: the selector prices every arm with it each step) equals `shape` of the same
+    per-sequence draft rows, for fractional depths, tiles, query blocks and weight calls."""
+    g = Geometry(ITEM, [(CALL, 0.7), (0, 0.3)], TILE)
+    rng = random.Random(0)
+    for _ in range(500):
+        B = rng.randint(1, 70)
+        contexts = [rng.randint(1, 1500) for _ in range(B)]
+        depth = rng.choice([0, 1, 2, 4, 8, 15]) + rng.random() * rng.choice([0, 1])
+        lo, k = int(depth), round((depth - int(depth)) * B)
+        want = g.shape(contexts, [lo + 1] * k + [lo] * (B - k)).features()
+        assert np.allclose(g.uniform(contexts, depth).features(), want, rtol=1e-12, atol=1e-12)

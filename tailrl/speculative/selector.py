@@ -40,6 +40,10 @@ PROBE_MIN, PROBE_MAX = 8, 64  # steps of a bucket between probes of the arm not 
 # arm chosen (`_regret`) fit in a credit that every decode step adds this share of its seconds to (at most
 # CREDIT_STEPS steps' worth banked). On a first visit probes and tries cost 3-4% of the rollout before.
 EXPLORE_SHARE, CREDIT_STEPS = 0.01, 200
+# the guard: per bucket, speculative steps' measured tokens / s (each token at what it was worth) over the model's
+# plain step for the same sequences; below 1 over GUARD_STEPS (decayed) such steps, the bucket decodes plainly
+# whatever the prices say, until probes measure speculation paying again
+GUARD_STEPS, GUARD_HALF_LIFE = 3.0, 8.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Selector:
         self.draft_s: dict[str, float] = {d: 0.0 for d in drafters}  # seconds per sequence proposal (EMA)
         self.probes: dict[int, _Probe] = {}
         self.credit = 0.0  # seconds exploration may still lose (EXPLORE_SHARE)
+        self.guard: dict[int, Rate] = {}  # bucket -> measured speedup of its speculative steps (GUARD_STEPS)
         self.decision = Decision()
         self.rng = random.Random(cfg.seed)
 
@@ -242,7 +247,7 @@ class Selector:
         if off is None or best is None:  # nothing measured yet: plain decoding prices the bucket first
             self.decision = Decision(OFF, off, off)
             return OFF
-        want_spec = scores[best] >= self.margin * off
+        want_spec = scores[best] >= self.margin * off and not self.vetoed(B)
         if want_spec and self.cfg.epsilon and self.rng.random() < self.cfg.epsilon:
             near = [a for a in spec if scores[a] >= 0.85 * scores[best]]  # budgets near the best, measured too
             best = self.rng.choice(near) if near else best
@@ -256,6 +261,11 @@ class Selector:
         self.decision = Decision(arm, predicted, off, probe, self.probes[batch_bucket(B)].interval / 2 if probe else 1.0,
                                  worth)
         return arm
+
+    def vetoed(self, B: int) -> bool:
+        """Whether the bucket's speculative steps measured slower than its plain ones (the guard)."""
+        g = self.guard.get(batch_bucket(B))
+        return g is not None and g.weight >= GUARD_STEPS and g.mean(1.0) < 1.0
 
     def _probe_arm(self, B: int, best: Arm, peek: bool = False) -> Arm:
         """While speculating, probes take turns: OFF every other one, between them the budgets next to the best's
@@ -312,6 +322,11 @@ class Selector:
         weight = self.decision.weight if self.decision.arm == arm else 1.0
         self.time.record(shape, max(step_s - draft_s, 0.0), weight)
         if arm != OFF:
+            plain = self.time.seconds(shape.plain())
+            if plain and step_s > 0:
+                worth = self.decision.worth if self.decision.arm == arm else 1.0
+                g = self.guard.setdefault(batch_bucket(B), Rate(GUARD_HALF_LIFE))
+                g.add((B + (emitted - B) * worth) * plain / (B * step_s), 1)
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
             self.draft_s[arm.drafter] += 0.2 * (draft_s / max(B, 1) - self.draft_s[arm.drafter])
@@ -336,7 +351,7 @@ class Selector:
         sequences no shadow draft measures a drafter (speculative/shadow.py SHADOW_MAX_BATCH), so without it a
         drafter that starts paying in the next epoch was found only by probes 64 steps apart."""
         self.time.end_rollout()
-        for rates in (self.accept, self.drafted):
+        for rates in (self.accept, self.drafted, self.guard):
             for r in rates.values():
                 r.total *= 0.5
                 r.weight *= 0.5
