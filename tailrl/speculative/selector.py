@@ -117,7 +117,7 @@ class Selector:
 
     def plain_step_s(self, contexts: list[int]) -> float | None:
         """Predicted seconds of a plain decode step over sequences holding `contexts` keys."""
-        return self.time.seconds(self.geometry.shape(contexts, [0] * len(contexts)))
+        return self.time.seconds(self.geometry.uniform(contexts, 0))
 
     def off_seconds(self, prompt_lens: list[int], lengths: list[int], tail: int) -> tuple[float, float] | None:
         """(body, tail) decode seconds plain decoding would have taken for sequences of these prompt and response

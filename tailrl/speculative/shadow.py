@@ -12,6 +12,9 @@ SHADOW_SEQS = 8  # sequences per step that keep a pending shadow draft per uncho
 # of a step's seconds, what shadow proposals may spend (a credit carried across steps): at a rollout's first visit
 # the n-gram drafters' shadow proposals took 15 ms of every 100 ms plain step at 24-32 sequences (RESULTS 25)
 SHADOW_SHARE = 0.015
+# above this batch a third of it: a draft row costs there (it is not free as in the tail), the choice rarely turns on
+# a drafter's acceptance, and on a first visit (most steps plain) the shadows were most of SD auto's host work
+SHADOW_BODY = 16
 # no shadow drafts above this batch: acceptance is a property of the drafter, not the batch size, and the tail
 # of every rollout measures it; above it, shadows made the drafters index every token (TokenIndex is lazy)
 SHADOW_MAX_BATCH = 32
@@ -24,7 +27,8 @@ def shadow_step(sp, running: list, chosen: str, step_s: float = 0.0) -> None:
     others = [d for name, d in sp.drafters.items() if name != chosen]
     if not others or not running or len(running) > SHADOW_MAX_BATCH:
         return
-    sp.shadow_credit = min(sp.shadow_credit + SHADOW_SHARE * step_s, SHADOW_SHARE * step_s * SHADOW_SEQS)
+    share = SHADOW_SHARE if len(running) <= SHADOW_BODY else SHADOW_SHARE / 3
+    sp.shadow_credit = min(sp.shadow_credit + share * step_s, share * step_s * SHADOW_SEQS)
     start = sp.shadow_cursor % len(running)
     sp.shadow_cursor += SHADOW_SEQS
     tick = sp.shadow_cursor // SHADOW_SEQS
