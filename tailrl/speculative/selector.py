@@ -11,7 +11,8 @@ Every arm, plain decoding (OFF) among them, is priced the same way, in one place
 - accepted and drafted: tokens per sequence-step the arm's drafts added and cost, measured on its verified steps and
   on shadow drafts (the drafter's proposals scored against what the sequence then emitted), an unmeasured budget
   borrowing the acceptance of its drafter's largest measured smaller budget (a lower bound);
-- draft_s: the drafter's seconds per sequence proposal;
+- draft_s: the drafter's seconds per sequence proposal, or for a drafter whose proposal is one batched pass per
+  draft level (the self drafter), levels x a level's seconds at this batch size (draft_cost.py);
 - what a token is worth (`worth`): acceptance per sequence (SeqAccept), and where no request waits, a token saves
   the marginal row it would have cost later, whole steps only at the acceptance of the sequences the rollout waits
   for.
@@ -32,6 +33,7 @@ import random
 from dataclasses import dataclass
 
 from .config import SpecConfig
+from .draft_cost import DraftCost
 from .step_cost import Geometry, Shape, StepTime, batch_bucket
 
 PROBE_MIN, PROBE_MAX = 8, 64  # steps of a bucket between probes of the arm not chosen
@@ -128,7 +130,7 @@ class Selector:
         self.time = StepTime()
         self.accept = {a: Rate() for a in self.drafter_arms}
         self.drafted = {a: Rate() for a in self.drafter_arms}
-        self.draft_s: dict[str, float] = {d: 0.0 for d in drafters}  # seconds per sequence proposal (EMA)
+        self.draft = DraftCost(drafters)  # what a proposal costs (draft_cost.py; the speculator names `leveled`)
         self.probes: dict[int, _Probe] = {}
         self.decision = Decision()
         self.rng = random.Random(cfg.seed)
@@ -213,7 +215,7 @@ class Selector:
         accepted, drafted = est
         accepted *= hardness
         t = self.time.seconds(self.geometry.uniform(contexts, min(drafted, arm.budget)))
-        return B * (1 + accepted) / (t + B * self.draft_s[arm.drafter]) if t else None
+        return B * (1 + accepted) / (t + self.draft.seconds(arm, B)) if t else None
 
     def free_depth(self, contexts: list[int], slack: float = 0.1) -> int:
         """The deepest budget whose draft rows the model prices at most `slack` of a plain step (the tail on a CPU,
@@ -303,16 +305,17 @@ class Selector:
 
     # ---- feedback ---------------------------------------------------------------------------------------------
 
-    def record(self, arm: Arm, shape: Shape, step_s: float, emitted: int, drafted: int, draft_s: float) -> None:
-        """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted and
-        the draft rows of the arm it verified."""
+    def record(self, arm: Arm, shape: Shape, step_s: float, emitted: int, drafted: int, draft_s: float,
+               levels: int = 0) -> None:
+        """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted, the
+        draft rows of the arm it verified, and (a drafter priced per level) the draft levels its proposal ran."""
         B = shape.seqs
         weight = self.decision.weight if self.decision.arm == arm else 1.0
         self.time.record(shape, max(step_s - draft_s, 0.0), weight)
         if arm != OFF:
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
-            self.draft_s[arm.drafter] += 0.2 * (draft_s / max(B, 1) - self.draft_s[arm.drafter])
+            self.draft.record(arm, B, draft_s, levels)
 
     def record_shadow(self, drafter: str, accepted: int, drafted: int) -> None:
         """A draft that was not verified, compared with the tokens the sequence went on to emit: for a
