@@ -8,11 +8,9 @@ A decode pass on a CPU at a few rows is bound by the bytes of weights it streams
 - int4: `aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [K / group, N, 2])`, asymmetric per
   group of `group` inner columns, w = (q - 8) * scale + zero (tinygemm's layout).
 
-`kind` "auto" picks per product shape what measured best on a 2-core Zen 4 (benchmarks/RESULTS.md section 26): the
-int8 kernel at 1-4 rows beats oneDNN's packed bf16 product on every shape, but it does not reuse a weight across
-rows, so at 16 rows the LM head took 2x the bf16 product; the int4 kernel is slower than int8 at these shapes.
-So the drafter runs products of more rows than a shape's `rows_max` (a wide draft batch) on the target's own
-weights: a draft needs no particular weights to be lossless, only the verifier does."""
+Neither kernel reuses a weight across rows as oneDNN's bf16 product does, so from some rows on (`quant_rows`, per
+shape, measured on a 2-core Zen 4: benchmarks/RESULTS.md section 26) the drafter runs a product on the target's own
+weights instead: a draft needs no particular weights to be lossless, only the verifier does."""
 
 from __future__ import annotations
 
@@ -55,12 +53,15 @@ class QLinear:
 
 def quant_rows(out_features: int, in_features: int, kind: str) -> int:
     """The most rows a product of this shape runs in the quantized kernel; more run on the target's bf16 weights.
-    Measured on SmolLM2-135M's shapes, 2-core Zen 4, against oneDNN's packed bf16 product (RESULTS section 26):
-    int8 576x576 and 192x576 win at 1 and 4 rows and lose at 16; 1536x576 and 576x1536 win at 1 row only; the LM
-    head 49152x576 in int4 wins at 1 and 4 rows (0.84 / 1.7 ms vs 2.5 / 2.0), in int8 at 1 row only."""
+    Measured on SmolLM2-135M, 2-core Zen 4, against oneDNN's packed bf16 product (benchmarks/RESULTS.md section 26):
+    a layer's products (at most 1536 x 576) in a whole pass, their weights streamed from memory, run faster
+    quantized up to 16 rows (a draft level at 4 and 16 sequences: 0.55x / 0.71x of a plain step against 0.65x /
+    0.97x with only single rows quantized), though with a weight in cache int8 loses from 4 rows; the LM head
+    (49152 x 576), streamed either way, wins in int4 at 1 and 4 rows (0.84 / 1.7 ms against 2.5 / 2.0) and in int8
+    at 1 row only (2.05 ms; 3.1 at 4 rows)."""
     if out_features * in_features >= 4 * 2**20:  # an LM head
         return 4 if kind == "int4" else 1
-    return 4 if out_features <= in_features else 1
+    return 16
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

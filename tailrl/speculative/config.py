@@ -41,7 +41,9 @@ class SpecConfig:
     # products. self_draft offers it to auto's selector (mode=self: always it); off by default, as measured in
     # benchmarks/RESULTS.md section 26
     self_draft: bool = False
-    self_quant: str = "int8"  # int8 | int4 (torch's CPU weight-only kernels, model/quant.py)
+    # int4 | int8 (torch's CPU weight-only kernels, model/quant.py): int4 drafts a level at 0.36x of a plain step at
+    # one sequence on a 2-core Zen 4, int8 at 0.42x, at about the same acceptance (RESULTS section 26)
+    self_quant: str = "int4"
     self_vocab: int = 0  # its LM head's rows: the N most frequent tokens seen (0: the full vocabulary)
     epsilon: float = 0.02  # selector exploration per batch-size bucket, among arms within 15% of the best
     seed: int = 0

@@ -53,6 +53,7 @@ class SelfDrafter:
         self.q: dict[nn.Module, QLinear] = {}  # the target's linear modules -> their quantized copies
         self.rows: dict[nn.Module, int] = {}  # -> the most rows their quantized kernel runs
         self.head_rows = 0
+        self.max_rows: int | None = None  # every product quantized up to this many rows (None: quant_rows' table)
         self.head: QLinear | None = None
         self.head_dense: nn.Linear | None = None  # the draft vocabulary's rows in the target's dtype (wide passes)
         self.vocab: torch.Tensor | None = None  # draft vocabulary (target ids), None: all
@@ -96,27 +97,31 @@ class SelfDrafter:
         if not force and self.key == key and self.head_dense is not None:
             return False
         t = time.perf_counter()
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors: packed_linear keys on their versions
+            self._quantize()
+        self.key = key
+        self.quantize_s = time.perf_counter() - t
+        self.quantizations += 1
+        return True
+
+    def _quantize(self) -> None:
         m, kind = self.model, self.cfg.self_quant
         self.q, self.rows = {}, {}
         for layer in m.model.layers:
             a, f = layer.self_attn, layer.mlp
             for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj):
                 self.q[lin] = quantize_linear(lin.weight, lin.bias, kind)
-                self.rows[lin] = quant_rows(*lin.weight.shape, kind)
+                self.rows[lin] = quant_rows(*lin.weight.shape, kind) if self.max_rows is None else self.max_rows
         w = m.lm_head.weight.detach()
         self.vocab = self._choose_vocab()
         rows = w if self.vocab is None else w[self.vocab]
         self.head = quantize_linear(rows, None, kind) if self.vocab is None else None
-        self.head_rows = quant_rows(*rows.shape, kind)
+        self.head_rows = quant_rows(*rows.shape, kind) if self.max_rows is None else self.max_rows
         if self.vocab is None:
             self.head_dense = m.lm_head
         else:
             self.head_dense = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=w.device, dtype=w.dtype)
             self.head_dense.weight.requires_grad_(False).copy_(rows)
-        self.key = key
-        self.quantize_s = time.perf_counter() - t
-        self.quantizations += 1
-        return True
 
     def _choose_vocab(self) -> torch.Tensor | None:
         """The `self_vocab` most frequent tokens seen so far (ties: the lower id, BPE's earlier merge), with the
