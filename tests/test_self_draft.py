@@ -61,6 +61,8 @@ def test_self_drafts_equal_plain_decoding(tiny, temperature):
     assert accepted > 0 and drafted > 0
     d = eng.speculator.drafters["self"]
     assert d.quantizations == 1 and {q.kind for q in d.q.values()} == {"int4"}
+    met = outs.stats.metrics()  # its memory and re-quantization beside the engine's
+    assert met["spec/self/quantized_mib"] * 2**20 == d.nbytes > 0 and met["spec/self/quantize_s"] > 0
 
 
 def test_self_drafts_on_the_batch_invariant_engine_equal_plain_decoding(tiny):

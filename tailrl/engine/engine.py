@@ -238,6 +238,8 @@ class Engine:
             stale = self.speculator.end_rollout()
             if stats is not None:
                 stats.stale = stale
+                stats.gauges = {k: v for d in self.speculator.drafters.values() if hasattr(d, "gauges")
+                                for k, v in d.gauges().items()}
         if self._gc_frozen:
             gc.unfreeze()
             self._gc_frozen = False

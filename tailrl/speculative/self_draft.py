@@ -141,6 +141,11 @@ class SelfDrafter:
             n += self.head_dense.weight.numel() * self.head_dense.weight.element_size()
         return n
 
+    def gauges(self) -> dict[str, float]:
+        """Its memory beside the engine's (the quantized copy; its K/V is the target cache's own) and what its last
+        re-quantization took, for a rollout's metrics."""
+        return {"spec/self/quantized_mib": self.nbytes / 2**20, "spec/self/quantize_s": self.quantize_s}
+
     # ---- drafting ---------------------------------------------------------------------------------------------
 
     def _proj(self, layer, x: torch.Tensor) -> torch.Tensor:
