@@ -5,6 +5,7 @@ SD-off estimate (`spec/speedup_est`) beside the measured ratio, its predicted an
 share of steps each arm ran.
 
     .venv/bin/python benchmarks/sd_epochs.py [--preset long] [--epochs 3] [--max-tokens 96] [--prompts 8] [--n 8]
+        [--arms off,auto,self,auto+self]
 
 Prompts: the first `--prompts` training prompts of the preset's task (default: the default run's arithmetic levels
 1-2), chat template, T 0.7. Run each measurement on a quiet machine (a second process on 2 cores makes OpenMP's
@@ -25,6 +26,13 @@ from tailrl.speculative.config import SpecConfig
 from tailrl.tasks import chat_prompt
 
 
+def spec_of(arm: str) -> SpecConfig:
+    """An arm: a spec mode (off, auto, history, ngram, self), or auto+self (auto with the self drafter offered)."""
+    if arm == "auto+self":
+        return SpecConfig(mode="auto", self_draft=True)
+    return SpecConfig(mode=arm)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="")
@@ -33,17 +41,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--arms", default="off,auto", help="comma list, off first: off, auto, history, ngram, self, "
+                    "auto+self (auto with rollout.spec.self_draft)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cfg = load_config(None, [], args.preset)
     train, _ = load_datasets(cfg.data)
     rows = [chat_prompt(e.prompt, cfg.data.system_prompt) for e in train[: args.prompts]]
     model, tok = load_model(cfg.model.path, device="cpu", dtype=args.dtype)
-    engines = {m: Engine(model, tok, EngineConfig(kv_cache_gb=2.0, batch_invariant=True, spec=SpecConfig(mode=m)))
-               for m in ("off", "auto")}
+    arms = args.arms.split(",")
+    if arms[0] != "off":
+        raise SystemExit("--arms: off comes first (every other arm is compared with it)")
+    engines = {m: Engine(model, tok, EngineConfig(kv_cache_gb=2.0, batch_invariant=True, spec=spec_of(m)))
+               for m in arms}
     print(f"{args.prompts} prompts x {args.n}, up to {args.max_tokens} tokens, T 0.7, {model.dtype}\n")
-    print("| epoch | off tok/s | auto tok/s | auto / off | estimate | predicted / measured decode tok/s | arms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| epoch | arm | tok/s | / off | estimate | predicted / measured decode tok/s | accept length | arms |")
+    print("|---|---|---|---|---|---|---|---|")
     for ep in range(args.epochs):
         res = {}
         for m, eng in engines.items():
@@ -51,14 +64,19 @@ def main() -> None:
             t = time.perf_counter()
             outs = eng.generate(rows, params)
             res[m] = (outs, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
-        (off, off_tps), (auto, auto_tps) = res["off"], res["auto"]
-        same = [o.token_ids for o in off] == [o.token_ids for o in auto]
-        met = auto.stats.metrics()
-        arms = ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(met.items(), key=lambda kv: -kv[1])
-                         if k.startswith("spec/arm_share/") and v >= 0.02)
-        print(f"| {ep} | {off_tps:.0f} | {auto_tps:.0f} | {auto_tps / off_tps:.2f}x{'' if same else ' (tokens differ!)'} "
-              f"| {auto.stats.speedup_est:.2f}x | {met.get('spec/pred_tokens_per_s', 0):.0f} / "
-              f"{met.get('spec/decode_tokens_per_s', 0):.0f} | {arms} |", flush=True)
+        off, off_tps = res["off"]
+        print(f"| {ep} | off | {off_tps:.0f} | 1.00x | | | | |", flush=True)
+        for m in arms[1:]:
+            outs, tps = res[m]
+            same = [o.token_ids for o in off] == [o.token_ids for o in outs]
+            met = outs.stats.metrics()
+            shares = ", ".join(f"{k.split('/')[-1]} {v:.0%}" for k, v in sorted(met.items(), key=lambda kv: -kv[1])
+                               if k.startswith("spec/arm_share/") and v >= 0.02)
+            acc = ", ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in sorted(met.items())
+                            if k.startswith("spec/accept_length/") and v > 0)
+            print(f"| {ep} | {m} | {tps:.0f} | {tps / off_tps:.2f}x{'' if same else ' (tokens differ!)'} "
+                  f"| {outs.stats.speedup_est:.2f}x | {met.get('spec/pred_tokens_per_s', 0):.0f} / "
+                  f"{met.get('spec/decode_tokens_per_s', 0):.0f} | {acc} | {shares} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
     a = sub.add_parser("audit", help="is a backend's speculative decoding lossless? (SD on vs off, chi-square + KS)")
     a.add_argument("--backend", default="tailrl", choices=["tailrl", "vllm"])
     a.add_argument("--spec", default="auto",
-                   help="the speculation to audit: tailrl: auto | history | ngram; vllm: ngram | suffix | tailrl (ours)")
+                   help="the speculation to audit: tailrl: auto | history | ngram | self; vllm: ngram | suffix | tailrl (ours)")
     a.add_argument("--model", default="smollm2-135m", help="known name, HF checkpoint folder or .gguf file")
     a.add_argument("--prompts", type=int, default=4, help="arithmetic prompts (levels 2-3, chat template)")
     a.add_argument("--n", type=int, default=64, help="responses per prompt, per arm and temperature")

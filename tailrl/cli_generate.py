@@ -57,7 +57,7 @@ def check_writable(path: str) -> Path:
     return out
 
 
-SPECS = {"tailrl": ("auto", "off", "history", "ngram", "learned"), "vllm": ("auto", "off", "tailrl", "ngram", "suffix")}
+SPECS = {"tailrl": ("auto", "off", "history", "ngram", "learned", "self"), "vllm": ("auto", "off", "tailrl", "ngram", "suffix")}
 
 
 def engine_backend(args, model, tokenizer, sampling, config):

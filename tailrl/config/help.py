@@ -53,7 +53,7 @@ GROUPS = {
     "model": "the policy: a known name, HF folder or .gguf; device; engine dtype and the update's compute",
     "data": "a JSONL/Parquet (verl's format too) or a built-in task; prompt/answer columns; system prompt",
     "rollout": "sampling (n, max_tokens, temperature), KV cache, Ray workers",
-    "rollout.spec": "speculative decoding: mode (auto/off/history/ngram/learned), budgets, history drafter",
+    "rollout.spec": "speculative decoding: mode (auto/off/history/ngram/learned/self), budgets, history and self drafters",
     "algo": "GRPO/DAPO: advantages, policy loss (ppo/gspo/cispo), clipping, loss aggregation, KL, batches, lr, TIS",
     "reward": "reward functions (built-ins, verl's data_source routing, module:function), weights, timeouts, overlong penalty",
     "trainer": "steps, prompts per step, eval/save cadence, run folder, resume, loggers (console/jsonl/tensorboard/wandb)",

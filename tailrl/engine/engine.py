@@ -77,7 +77,8 @@ class Engine:
             self.speculator.attach(self.runner.kv, chains=self.runner.invariant,
                                   row_block=block if self.runner.invariant else 0, key_chunk=CHUNK,
                                   classes=classes, digits=digits, row_tile=ROW_TILE if self.runner.invariant else 0,
-                                  weight_calls=weight_calls(model, self.runner.invariant and self.runner.device.type == "cpu"))
+                                  weight_calls=weight_calls(model, self.runner.invariant and self.runner.device.type == "cpu"),
+                                  model=model)
         self.scheduler = Scheduler(self.runner, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.kv_watermark,
                                    cfg.prefix_cache if cfg.prefix_cache != "auto" else self.runner.invariant)
         self.eos_ids = frozenset(mc.eos_token_id) | frozenset(
@@ -237,6 +238,8 @@ class Engine:
             stale = self.speculator.end_rollout()
             if stats is not None:
                 stats.stale = stale
+                stats.gauges = {k: v for d in self.speculator.drafters.values() if hasattr(d, "gauges")
+                                for k, v in d.gauges().items()}
         if self._gc_frozen:
             gc.unfreeze()
             self._gc_frozen = False

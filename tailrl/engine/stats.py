@@ -121,6 +121,7 @@ class GenerateStats:
     tail_tokens: int = 0
     tail_s: float = 0.0
     stale: dict[str, float] = field(default_factory=dict)  # drafter -> 1.0 if its acceptance collapsed (watchdog)
+    gauges: dict[str, float] = field(default_factory=dict)  # drafters' own at the end (the self drafter's memory)
     capture_s: float = 0.0  # CUDA-graph captures (in total_s, the wall time; not in decode_s or the buckets)
 
     def add(self, r: StepRecord) -> None:
@@ -169,7 +170,7 @@ class GenerateStats:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name in ("peak_kv_bytes", "tail_size", "peak_running"):
                 setattr(self, f.name, max(a, b))
-            elif f.name == "stale":
+            elif f.name in ("stale", "gauges"):
                 a.update({k: max(a.get(k, 0.0), v) for k, v in b.items()})
             elif isinstance(a, dict):
                 _merge_dict(a, b)
@@ -227,6 +228,7 @@ class GenerateStats:
         out.update({f"spec/accept_length/{name}": self.accept_length(name) for name in self.drafters})
         out.update(self.selector_metrics())
         out.update({f"spec/stale/{name}": v for name, v in self.stale.items()})
+        out.update(self.gauges)
         if self.capture_s:
             out["perf/cuda_graph_capture_s"] = self.capture_s
         return out

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward_cached(self, x, cos, sin, step: StepMeta, kv) -> torch.Tensor:
+    def forward_cached(self, x, cos, sin, step: StepMeta, kv, proj=None) -> torch.Tensor:
         """Writes the new tokens' K/V at their rows' (slot, position) in the paged cache `kv` (engine/kv_cache.py),
         then attends: a causal step (whole prompts from position 0) over the new tokens with the causal kernel, an
         invariant step by our kernel in place (model/paged_attention.py; off a CPU over each sequence's own key
@@ -98,7 +98,8 @@ class Attention(nn.Module):
         step.mask (a decode or verify pass on a CPU: read in place by our kernel)."""
         # [T, heads, D] (an invariant pass: padded to whole row tiles, its products in the probe's calls; a plain
         # pass: weights packed once per weight version, model/packed.py)
-        q, k, v = self._qkv(x, cos, sin, in_calls if step.row_tile else packed_linear)
+        # (proj: another product, the self drafter's quantized one, speculative/self_draft.py)
+        q, k, v = self._qkv(x, cos, sin, proj or (in_calls if step.row_tile else packed_linear))
         T = step.token_pos.shape[0]
         kv.write(self.layer_idx, step, k[:T], v[:T])  # written before it is read: a row sees its own key
         if step.row_tile:
@@ -119,7 +120,7 @@ class Attention(nn.Module):
             o = o if step.pad_idx is None else o[step.pad_idx]
         else:
             o = self._attend(q, *kv.keys(self.layer_idx, step), step)
-        return packed_linear(self.o_proj, o)
+        return (proj or packed_linear)(self.o_proj, o)
 
     def _in_place(self, q: torch.Tensor, kv, step: StepMeta) -> torch.Tensor:
         """An invariant pass's attention, by our kernel over each sequence's keys in the cache: causal rows, or a
@@ -220,15 +221,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, step=None, kv=None, attn_mask=None, shared=None):
+    def forward(self, x, cos, sin, step=None, kv=None, attn_mask=None, shared=None, proj=None):
+        """proj(linear, x): the cached pass's products (None: the pass's own, below)."""
         h = self.input_layernorm(x)
         if step is not None:
-            x = x + self.self_attn.forward_cached(h, cos, sin, step, kv)
+            x = x + self.self_attn.forward_cached(h, cos, sin, step, kv, proj)
         elif shared is not None:
             x = x + self.self_attn.forward_shared(h, cos, sin, shared)
         else:
             x = x + self.self_attn.forward_full(h, cos, sin, attn_mask)
-        proj = None if step is None else in_calls if step.row_tile > 0 else packed_linear
+        proj = None if step is None else proj or (in_calls if step.row_tile > 0 else packed_linear)
         return x + self.mlp(self.post_attention_layernorm(x), proj)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("off", "auto", "history", "ngram", "learned")
+MODES = ("off", "auto", "history", "ngram", "learned", "self")
+SELF_QUANT = ("int8", "int4")
 
 
 @dataclass
 class SpecConfig:
-    mode: str = "auto"  # off | auto (selector decides per batch) | history | ngram | learned (always that drafter)
+    # off | auto (selector decides per batch) | history | ngram | learned | self (always that drafter)
+    mode: str = "auto"
     budgets: tuple[int, ...] = (1, 2, 4, 8, 16)  # draft tokens per sequence the selector chooses (caps with allocate)
     max_depth: int = 16  # per-request adaptive draft depth: doubles on full acceptance, halves on rejection
     init_depth: int = 4
@@ -35,6 +37,14 @@ class SpecConfig:
     max_match: int = 32
     history_epochs: int = 4  # keep the responses of the last K epochs per prompt
     max_prompts: int = 100_000  # history index: least recently used prompts beyond this are evicted
+    # the self-speculative drafter (speculative/self_draft.py): the policy's own layers with weight-only quantized
+    # products. self_draft offers it to auto's selector (mode=self: always it); off by default, as measured in
+    # benchmarks/RESULTS.md section 26
+    self_draft: bool = False
+    # int4 | int8 (torch's CPU weight-only kernels, model/quant.py): int4 drafts a level at 0.36x of a plain step at
+    # one sequence on a 2-core Zen 4, int8 at 0.42x, at about the same acceptance (RESULTS section 26)
+    self_quant: str = "int4"
+    self_vocab: int = 0  # its LM head's rows: the N most frequent tokens seen (0: the full vocabulary)
     epsilon: float = 0.02  # selector exploration per batch-size bucket, among arms within 15% of the best
     seed: int = 0
 
@@ -55,11 +65,17 @@ class SpecConfig:
             raise ValueError(f"spec history_epochs={self.history_epochs} must be >= 1")
         if self.das not in ("share", "extend"):
             raise ValueError(f"spec das={self.das!r}: choose share or extend")
+        if self.self_quant not in SELF_QUANT:
+            raise ValueError(f"spec self_quant={self.self_quant!r}: choose one of {', '.join(SELF_QUANT)}")
+        if not isinstance(self.self_vocab, int) or self.self_vocab < 0:
+            raise ValueError(f"spec self_vocab={self.self_vocab!r} must be an integer >= 0 (0 = full vocabulary)")
         if not 0 <= self.epsilon <= 1:
             raise ValueError(f"spec epsilon={self.epsilon} must be in [0, 1]")
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The model-free drafters of the mode (the engine adds the learned one when it has it)."""
-        return {"off": (), "auto": ("history", "ngram"), "history": ("history",), "ngram": ("ngram",),
-                "learned": ()}[self.mode]
+        """The drafters of the mode the speculator builds itself (the caller adds the learned one when it has it):
+        the model-free ones, and the self drafter (which the engine binds to its model)."""
+        auto = ("history", "ngram") + (("self",) if self.self_draft else ())
+        return {"off": (), "auto": auto, "history": ("history",), "ngram": ("ngram",), "learned": (),
+                "self": ("self",)}[self.mode]

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from .config import SpecConfig
 from .backoff import BackoffModel, coupled_chain
+from .self_draft import SelfDrafter
 from .suffix import TokenIndex, TreeShape, build_tree
 from .tree import DraftTree
 
@@ -255,6 +256,8 @@ class FallbackDrafter:
         self.costly = any(d.costly for d in self.parts)
         self.needs_hidden = any(d.needs_hidden for d in self.parts)
         self.policy_bound = any(d.policy_bound for d in self.parts)
+        self.per_level = any(getattr(d, "per_level", False) for d in self.parts)
+        self.last_levels = 0  # batched passes its parts' last proposal ran (drafters priced per level)
 
     @property
     def chains(self) -> bool:
@@ -283,10 +286,12 @@ class FallbackDrafter:
     def propose(self, seqs: list, budgets: list[int], depths: list[int]) -> list[DraftTree | None]:
         out: list[DraftTree | None] = [None] * len(seqs)
         want = list(budgets)
+        self.last_levels = 0
         for d in self.parts:
             if not any(want):
                 break
             trees = d.propose(seqs, want, depths)
+            self.last_levels += getattr(d, "last_levels", 0)
             for i, t in enumerate(trees):
                 if want[i] and t is not None and (out[i] is None or len(t) > len(out[i])):
                     out[i] = t
@@ -296,9 +301,16 @@ class FallbackDrafter:
 
 
 def model_free_drafters(cfg: SpecConfig) -> list:
-    """The mode's model-free drafters; auto adds history+ngram (history where the prompt's earlier responses match,
-    the sequence's own n-grams elsewhere: +0.2-0.4 tokens per verify over history alone, benchmarks/RESULTS.md)."""
-    drafters = [{"history": HistoryDrafter, "ngram": NgramDrafter}[name](cfg) for name in cfg.drafters]
-    if len(drafters) > 1:
-        drafters.append(FallbackDrafter(drafters))
+    """The mode's drafters the speculator builds itself; auto adds history+ngram (history where the prompt's earlier
+    responses match, the sequence's own n-grams elsewhere: +0.2-0.4 tokens per verify over history alone,
+    benchmarks/RESULTS.md) and, with the self drafter, history+self. The self drafter (the policy's own quantized
+    layers) is bound to the engine's model by Speculator.attach."""
+    free = [{"history": HistoryDrafter, "ngram": NgramDrafter}[n](cfg) for n in cfg.drafters if n != "self"]
+    drafters = free + ([FallbackDrafter(free)] if len(free) > 1 else [])
+    if "self" in cfg.drafters:
+        own = SelfDrafter(cfg)
+        drafters.append(own)
+        history = next((d for d in free if d.name == "history"), None)
+        if history is not None:
+            drafters.append(FallbackDrafter([history, own]))
     return drafters

@@ -11,7 +11,8 @@ Every arm, plain decoding (OFF) among them, is priced the same way, in one place
 - accepted and drafted: tokens per sequence-step the arm's drafts added and cost, measured on its verified steps and
   on shadow drafts (the drafter's proposals scored against what the sequence then emitted), an unmeasured budget
   borrowing the acceptance of its drafter's largest measured smaller budget (a lower bound);
-- draft_s: the drafter's seconds per sequence proposal;
+- draft_s: the drafter's seconds per sequence proposal, or for a drafter whose proposal is one batched pass per
+  draft level (the self drafter), levels x a level's seconds at this batch size (draft_cost.py);
 - what a token is worth (`worth`): acceptance per sequence (SeqAccept), and where no request waits, a token saves
   the marginal row it would have cost later, whole steps only at the acceptance of the sequences the rollout waits
   for.
@@ -32,6 +33,7 @@ import random
 from dataclasses import dataclass
 
 from .config import SpecConfig
+from .draft_cost import DraftCost
 from .rates import Rate, SeqAccept
 from .step_cost import Geometry, Shape, StepTime, batch_bucket
 
@@ -96,7 +98,7 @@ class Selector:
         self.time = StepTime()
         self.accept = {a: Rate() for a in self.drafter_arms}
         self.drafted = {a: Rate() for a in self.drafter_arms}
-        self.draft_s: dict[str, float] = {d: 0.0 for d in drafters}  # seconds per sequence proposal (EMA)
+        self.draft = DraftCost(drafters)  # what a proposal costs (draft_cost.py; the speculator names `leveled`)
         self.probes: dict[int, _Probe] = {}
         self.credit = 0.0  # seconds exploration may still lose (EXPLORE_SHARE)
         self.guard: dict[int, Rate] = {}  # bucket -> measured speedup of its speculative steps (GUARD_STEPS)
@@ -191,7 +193,7 @@ class Selector:
         est = self.acceptance(arm)
         drafted = est[1] if est is not None else arm.budget
         t = self.time.seconds(self.geometry.uniform(contexts, min(drafted, arm.budget)))
-        return t + len(contexts) * self.draft_s[arm.drafter] if t else None
+        return t + self.draft.seconds(arm, len(contexts)) if t else None
 
     def _regret(self, arm: Arm, chosen: Arm, scores: dict, contexts: list[int]) -> float:
         """Seconds a step of `arm` is predicted to lose against one of `chosen`: its seconds less what the chosen
@@ -314,9 +316,10 @@ class Selector:
 
     # ---- feedback ---------------------------------------------------------------------------------------------
 
-    def record(self, arm: Arm, shape: Shape, step_s: float, emitted: int, drafted: int, draft_s: float) -> None:
-        """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted and
-        the draft rows of the arm it verified."""
+    def record(self, arm: Arm, shape: Shape, step_s: float, emitted: int, drafted: int, draft_s: float,
+               levels: int = 0) -> None:
+        """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted, the
+        draft rows of the arm it verified, and (a drafter priced per level) the draft levels its proposal ran."""
         B = shape.seqs
         self.credit = min(self.credit + EXPLORE_SHARE * step_s, CREDIT_STEPS * EXPLORE_SHARE * step_s)
         weight = self.decision.weight if self.decision.arm == arm else 1.0
@@ -329,7 +332,7 @@ class Selector:
                 g.add((B + (emitted - B) * worth) * plain / (B * step_s), 1)
             self.accept[arm].add(emitted - B, B)
             self.drafted[arm].add(drafted, B)
-            self.draft_s[arm.drafter] += 0.2 * (draft_s / max(B, 1) - self.draft_s[arm.drafter])
+            self.draft.record(arm, B, draft_s, levels)
 
     def record_shadow(self, drafter: str, accepted: int, drafted: int) -> None:
         """A draft that was not verified, compared with the tokens the sequence went on to emit: for a

@@ -51,6 +51,8 @@ class Speculator:
         if not self.drafters:
             raise ValueError(f"spec mode {cfg.mode!r} has no drafter to speculate with")
         self.selector = Selector(cfg, list(self.drafters))
+        # drafters whose proposal is one batched pass per draft level: priced per level and batch size (selector.py)
+        self.selector.draft.leveled = {n for n, d in self.drafters.items() if getattr(d, "per_level", False)}
         self.needs_hidden = any(d.needs_hidden for d in drafters)
         self._trees: list[DraftTree | None] = []
         self._arm = OFF
@@ -71,7 +73,7 @@ class Speculator:
 
     def attach(self, kv, chains: bool = False, row_block: int = 0, key_chunk: int = 256,
                classes: dict[int, int] | None = None, digits: dict[int, int] | None = None, row_tile: int = 0,
-               weight_calls: list[tuple[int, float]] | None = None) -> None:
+               weight_calls: list[tuple[int, float]] | None = None, model=None) -> None:
         """The target's KV cache: its model config bounds draft tokens, and drafters may mirror its slots.
         chains: the verifier is batch-invariant (engine/invariant.py), so drafters draft single paths.
         row_block: the rows of one sequence the verifier's attention takes at a time (QUERY_BLOCK in invariant
@@ -83,13 +85,15 @@ class Speculator:
         row_tile: the verifier runs its matrix products on whole tiles of this many rows (ROW_TILE in invariant
         passes; 0: none): the rows a step leaves free in its last tile verify more draft nodes (allocate.fill_tile).
         weight_calls: (rows per product call, share of the weights' bytes) per product of the verifier's passes
-        (engine/runner.py weight_calls): the step-time model counts the weight streams a pass's rows cost."""
+        (engine/runner.py weight_calls): the step-time model counts the weight streams a pass's rows cost.
+        model: the target model, for drafters that run its own layers (bind_target: the self drafter)."""
         self.vocab_size = kv.cfg.vocab_size
         self.row_block = row_block
         self.row_tile = row_tile
         budgets = tuple(sorted({block_budget(b, row_block) for b in self.cfg.budgets}))
         if budgets != self.selector.budgets:  # before any step: nothing measured is lost
             self.selector = Selector(self.cfg, list(self.drafters), budgets=budgets)
+            self.selector.draft.leveled = {n for n, d in self.drafters.items() if getattr(d, "per_level", False)}
         self.selector.geometry = Geometry(row_block, weight_calls or [(0, 1.0)], row_tile)
         for d in self.drafters.values():
             d.chains = chains
@@ -97,6 +101,8 @@ class Speculator:
                 d.classes = classes
             if digits is not None and hasattr(d, "digits"):
                 d.digits = digits
+            if model is not None and hasattr(d, "bind_target"):
+                d.bind_target(model)
             d.attach(kv)
 
     def start(self, seqs: list) -> None:
@@ -278,7 +284,8 @@ class Speculator:
             est = sel.acceptance(arm)
             self._expected = max(est[0], 0.0) if est is not None else self._expected
         # the arm's rows and drafts as the pass ran them (fill_tile's among them): the arm is priced by what it runs
-        sel.record(arm, shape, record.total_s, record.emitted, record.drafted, record.draft_s)
+        levels = getattr(self.drafters[arm.drafter], "last_levels", 0) if arm != OFF else 0
+        sel.record(arm, shape, record.total_s, record.emitted, record.drafted, record.draft_s, levels)
         planned = self._planned if len(self._planned) == B else [len(t) if t else 0 for t in trees]
         if record.drafted - self._filled:  # the arm's own nodes: the filled ones are the less likely by design
             own = record.accepted if not self._filled else sum(min(len(v.accepted_nodes), n)
