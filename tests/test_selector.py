@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tailrl.speculative.config import SpecConfig
+from tailrl.speculative.off_estimate import off_seconds
 from tailrl.speculative.selector import OFF, PROBE_MAX, Selector
 from tailrl.speculative.step_cost import Geometry, StepTime
 
@@ -235,13 +236,13 @@ def test_the_sd_off_estimate_follows_the_rollouts_own_plain_schedule():
     for B in (1, 2, 3):
         for c in (10, 14):
             sel.time.record(sel.geometry.shape([c] * B, [0] * B), world.seconds([c] * B, 0))
-    assert sel.off_seconds([10, 10, 10], [3, 5, 5], tail=0) is not None
-    body, tail = sel.off_seconds([10, 10, 10], [3, 5, 5], tail=2)
+    assert off_seconds(sel.plain_step_s, [10, 10, 10], [3, 5, 5], tail=0) is not None
+    body, tail = off_seconds(sel.plain_step_s, [10, 10, 10], [3, 5, 5], tail=2)
     want_body = sum(sel.plain_step_s([10 + t - 1] * 3) for t in (1, 2))
     want_tail = sum(sel.plain_step_s([10 + t - 1] * 2) for t in (3, 4))
     assert body == pytest.approx(want_body) and tail == pytest.approx(want_tail)
     assert want_tail < want_body  # two sequences' steps cost less than three's
-    assert make_selector().off_seconds([10], [4], tail=0) is None  # nothing priced yet
+    assert off_seconds(make_selector().plain_step_s, [10], [4], tail=0) is None  # nothing priced yet
 
 
 def trained(world: World, sizes=(16, 12, 9, 14, 16), steps: int = 60) -> Selector:

@@ -20,6 +20,7 @@ from ..model.packed import invalidate_packs
 from ..model.paged_attention import ITEM_TOKENS
 from ..model.step import invariant_in_place
 from ..speculative.backoff import token_classes
+from ..speculative.off_estimate import off_seconds
 from ..speculative.speculator import Speculator
 from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
@@ -246,14 +247,14 @@ class Engine:
 
     def _estimate_off(self, stats: GenerateStats | None) -> None:
         """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, priced by the
-        selector's step-time model (Selector.off_seconds), in stats.off_body_s / off_tail_s."""
+        selector's step-time model (speculative/off_estimate.py), in stats.off_body_s / off_tail_s."""
         col = self._collector
         if (self.speculator is None or stats is None or col is None or col.stats is not stats
                 or any(i not in col.done for i in col.ids)):  # (a partial rollout with tools: later turns are in done)
             return
         comps = [col.done[i] for i in col.ids]
-        est = self.speculator.selector.off_seconds([len(c.prompt_token_ids) for c in comps], [len(c.token_ids) for c in comps],
-                                          stats.tail_size)
+        est = off_seconds(self.speculator.selector.plain_step_s, [len(c.prompt_token_ids) for c in comps],
+                          [len(c.token_ids) for c in comps], stats.tail_size)
         if est is not None:
             stats.off_body_s, stats.off_tail_s = est
 

@@ -115,7 +115,7 @@ class GenerateStats:
     plain_est_s: float = 0.0
     pred_s: float = 0.0  # the step-time model's seconds for the decode steps as they ran
     off_body_s: float = 0.0  # SD-off estimate of the rollout's decode seconds from its own plain schedule (body,
-    off_tail_s: float = 0.0  # tail; 0: not estimated): Selector.off_seconds
+    off_tail_s: float = 0.0  # tail; 0: not estimated): off_estimate.off_seconds
     probe_steps: int = 0  # decode steps that ran the arm not chosen (selector probes)
     tail_size: int = 0  # decode tokens and seconds while at most this many sequences run (the long tail, tail.py)
     tail_tokens: int = 0

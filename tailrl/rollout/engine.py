@@ -233,7 +233,7 @@ class EngineRollout:
                 self.lender.stop()
         self.engine.end_rollout(out.completions.stats)
         if record:  # the rollout's tail metrics (tail.py) come from its step records; the stats' SD-off estimate
-            # (the rollout's own plain schedule, Selector.off_seconds) wins over tail.py's per-step one
+            # (the rollout's own plain schedule, off_estimate.off_seconds) wins over tail.py's per-step one
             self._metrics = {**tail_metrics(out.records, n_seqs), **self._rollout_metrics(out.completions.stats),
                              **out.metrics}
         return out
