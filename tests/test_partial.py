@@ -265,17 +265,19 @@ def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tm
 @pytest.mark.slow
 def test_partial_rollouts_train_the_same_tokens_with_speculation_on_and_off(tiny_chat, task_file, tmp_path):
     """Composed with lossless speculation: the horizon counts tokens, so SD (several tokens a step) changes neither
-    where a rollout stops nor what it carries; the runs train on the very same tokens."""
+    where a rollout stops nor what it carries; the runs train on the very same tokens. SD auto, and a fixed drafter
+    (history: it drafts on every step, where auto may rightly decode this tiny model plainly throughout)."""
     rows = {}
-    for mode in ("auto", "off"):
+    for mode in ("auto", "history", "off"):
         out = tmp_path / mode
         train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, *EXACT, "trainer.steps=4", f"rollout.spec.mode={mode}"))
         rows[mode] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     keys = ["reward/mean", "response_lengths", "rollout/partial_carried", "rollout/partial_horizon",
             "rollout/staleness_mean"]
-    assert [[r[k] for k in keys] for r in rows["auto"]] == [[r[k] for k in keys] for r in rows["off"]]
+    for mode in ("auto", "history"):
+        assert [[r[k] for k in keys] for r in rows[mode]] == [[r[k] for k in keys] for r in rows["off"]], mode
     assert sum(r["rollout/partial_carried"] for r in rows["off"]) > 0
-    assert max(r.get("spec/accept_length", 0) for r in rows["auto"]) > 1.0  # speculation did draft and accept
+    assert max(r.get("spec/accept_length", 0) for r in rows["history"]) > 1.0  # speculation did draft and accept
 
 
 def text_len(prompts, completions, **_):

@@ -100,7 +100,7 @@ class Selector:
         self.drafted = {a: Rate() for a in self.drafter_arms}
         self.draft = DraftCost(drafters)  # what a proposal costs (draft_cost.py; the speculator names `leveled`)
         self.probes: dict[int, _Probe] = {}
-        self.credit = 0.0  # seconds exploration may still lose (EXPLORE_SHARE)
+        self.credit: float | None = None  # seconds exploration may still lose (EXPLORE_SHARE); None: no step yet
         self.guard: dict[int, Rate] = {}  # bucket -> measured speedup of its speculative steps (GUARD_STEPS)
         self.decision = Decision()
         self.rng = random.Random(cfg.seed)
@@ -286,7 +286,7 @@ class Selector:
 
     def _spend(self, regret: float) -> bool:
         """Takes `regret` seconds from the exploration credit if it holds them."""
-        if regret > self.credit:
+        if regret > (self.credit or 0.0):
             return False
         self.credit -= regret
         return True
@@ -298,7 +298,9 @@ class Selector:
         """One decode step as it ran: the pass's shape, its seconds (drafting included), the tokens it emitted, the
         draft rows of the arm it verified, and (a drafter priced per level) the draft levels its proposal ran."""
         B = shape.seqs
-        self.credit = min(self.credit + EXPLORE_SHARE * step_s, CREDIT_STEPS * EXPLORE_SHARE * step_s)
+        cap = CREDIT_STEPS * EXPLORE_SHARE * step_s
+        # the first step banks half the cap: a short run (a few rollouts) still tries its drafters once
+        self.credit = min(self.credit + EXPLORE_SHARE * step_s, cap) if self.credit is not None else cap / 2
         weight = self.decision.weight if self.decision.arm == arm else 1.0
         self.time.record(shape, max(step_s - draft_s, 0.0), weight)
         if arm != OFF:
