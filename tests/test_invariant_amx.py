@@ -301,6 +301,7 @@ def test_engine_is_invariant_or_says_why_under_each_cpu_isa(isa):
         assert out["failed"] and "error" in out and out["failed"][0] in out["error"], out
 
 
+@pytest.mark.slow  # 5.4 s: the fast tier stays under 3 minutes; scripts/amx_check.sh runs it
 def test_probe_finds_row_count_kernels_when_the_tiles_are_undone():
     """Without row tiles (tiles of one row), the LM head's product picks another kernel from 4 rows under plain
     AVX-512 (oneDNN, measured 2026-11): the probe must see it, and either name it or keep that product's calls below

@@ -158,6 +158,7 @@ def test_a_sleeping_engine_frees_its_pools_and_wakes_to_the_same_tokens(tiny):
         eng.sleep()
 
 
+@pytest.mark.slow  # 6.7 s: the fast tier stays under 3 minutes (the learned drafter is off by default)
 def test_the_learned_drafter_under_preemption_cuts_its_trees_and_changes_no_token(tiny, caplog):
     """A budget that preempts: the draft head's tree entries need blocks past what make_room gave. Where the pool
     is short it drafts shallower trees (or none) instead of failing the batch; no drafter warning, the very
