@@ -1,5 +1,5 @@
 """The spot trainer's timing on this machine, which the tests check in steps and events only
-(tests/test_drafter.py): how long `pause(wait=True)` takes to be acknowledged (at most the micro-batch in
+(tests/drafter/test_drafter.py): how long `pause(wait=True)` takes to be acknowledged (at most the micro-batch in
 progress, `drafter.spot_micro_tokens`), and how much of its share (`drafter.spot_share` of the previous RL
 step's time) it uses before it stops by itself.
 

@@ -120,7 +120,7 @@ def lossy_decide(real):
     return decide
 
 
-AUDIT_PROMPTS = [[1, 3, 3 + i, 0, 3] for i in range(4)]  # tests/test_audit.py's (and the vLLM gate's) audit
+AUDIT_PROMPTS = [[1, 3, 3 + i, 0, 3] for i in range(4)]  # tests/speculative/test_audit.py's (and the vLLM gate's) audit
 AUDIT_CFG = AuditConfig(temperatures=(1.0,), max_tokens=16)
 
 

@@ -37,12 +37,12 @@ def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["agent.tools=[calculator]", *combo.split()])
     load_config(None, combo.split())  # without tools the same setting is fine
-    load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])  # in process: tests/test_partial_tools.py
+    load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])  # in process: tests/agent/test_partial_tools.py
     if "vllm" in combo:  # vLLM itself runs the turn loop (rollout/vllm/turns.py)
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
         load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
         load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
-                           "rollout.workers=2"])  # and vLLM's Ray actors (tests/vllm_agent_checks.py)
+                           "rollout.workers=2"])  # and vLLM's Ray actors (tests/rollout/vllm_agent_checks.py)
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------
@@ -187,8 +187,8 @@ def test_reward_functions_get_the_conversation_only_if_they_take_it():
 
     conv = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 1"}]]
     cols = {"answer": ["1"], "conversation": conv, "tool_calls": [[{"name": "calculator"}, {"name": "calculator"}]]}
-    assert _call_user("tests.test_agent_loop:new_style", ["q"], ["#### 1"], cols) == ("ok", [12.0])
-    assert _call_user("tests.test_agent_loop:old_style", ["q"], ["#### 1"], cols) == ("ok", [1.0])
+    assert _call_user("tests.agent.test_agent_loop:new_style", ["q"], ["#### 1"], cols) == ("ok", [12.0])
+    assert _call_user("tests.agent.test_agent_loop:old_style", ["q"], ["#### 1"], cols) == ("ok", [1.0])
 
 
 def test_tool_arithmetic_rows_carry_the_few_shot_prefix_and_the_right_answer():

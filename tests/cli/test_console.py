@@ -14,7 +14,7 @@ from rich.console import Console
 
 from tailrl.console import RunConsole, eval_summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # a whole `tailrl train` in a subprocess

@@ -15,7 +15,7 @@ from tailrl.speculative.config import SpecConfig
 from tests.conftest import make_tiny_chat_model
 from tests.helpers import assert_same_or_tie
 
-from .cluster_fakes import fake_rollout
+from tests.cluster_fakes import fake_rollout
 
 CPU = StepCost(base_s=0.03, per_token_s=0.0035)
 PROMPTS = ["1 + 2 =", "3 + 4 = 7 ####", "a b c", "9 9 9 9 +", "5 =", "d e"]

@@ -9,7 +9,7 @@ from tailrl.cluster.reallocate import move
 from tailrl.cluster.rollout import ClusterRollout
 from tailrl.engine import SamplingParams
 
-from .cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
+from tests.cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
 
 
 def as_tuples(comps):

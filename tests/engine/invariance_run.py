@@ -1,4 +1,4 @@
-"""Run in a subprocess by tests/test_invariant.py under one ONEDNN_MAX_CPU_ISA (oneDNN reads it once, at start):
+"""Run in a subprocess by tests/engine/test_invariant.py under one ONEDNN_MAX_CPU_ISA (oneDNN reads it once, at start):
 the probe's verdict, and whether SD off and history drafting emit the very same bf16 tokens. Prints one JSON line.
 
 The model has SmolLM2-135M's shapes (hidden 576, 9 heads over 3 K/V heads, 49,152-token head: the kernels a real

@@ -32,9 +32,9 @@ def smollm_bf16():
 @pytest.fixture(scope="module")
 def smol_kernels(request):
     """SmolLM2 in bf16 where the CPU multiplies bf16 in hardware; elsewhere (emulated bf16: its probe took 22 s on a
-    Zen 3) 2 layers of its widths, heads and vocabulary, no tokenizer (tests/invariance_run.py): its every kernel."""
+    Zen 3) 2 layers of its widths, heads and vocabulary, no tokenizer (tests/engine/invariance_run.py): its every kernel."""
     from tailrl.model.load import cpu_has_bf16
-    from tests.invariance_run import smol_shaped
+    from tests.engine.invariance_run import smol_shaped
 
     return request.getfixturevalue("smollm_bf16") if cpu_has_bf16() else (smol_shaped(), None)
 

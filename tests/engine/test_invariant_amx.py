@@ -240,8 +240,8 @@ def _run_isa(isa: str, *args: str) -> dict:
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "TAILRL_TEST_THREADS": str(torch.get_num_threads())}
     if not isa:
         env.pop("ONEDNN_MAX_CPU_ISA")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "tests.invariance_run", *args], cwd=root, env=env,
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "tests.engine.invariance_run", *args], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

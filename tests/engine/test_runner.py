@@ -14,7 +14,7 @@ from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.tree import DraftTree
 from tests.conftest import tiny_model
 
-from .helpers import assert_same_or_tie
+from tests.helpers import assert_same_or_tie
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -133,7 +133,7 @@ def test_the_engine_emits_the_same_tokens_with_buckets_on_and_off(tiny, mode, te
 
 def test_the_causal_prefill_equals_the_dense_mask_prefill(tiny, monkeypatch):
     """The causal kernel against SDPA over the gathered keys under the dense mask: the same bits in the KV cache. A
-    dense pass of a few rows a sequence would take our paged kernel, another kernel (tests/test_paged_kernel.py)."""
+    dense pass of a few rows a sequence would take our paged kernel, another kernel (tests/model/test_paged_kernel.py)."""
     from tailrl.model import paged_attention
 
     monkeypatch.setattr(paged_attention, "MAX_Q", 0)

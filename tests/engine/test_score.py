@@ -11,7 +11,7 @@ from tailrl.engine.sampler import warped_logprobs
 from tailrl.engine.score import model_scorer, pieces
 
 # fp32: the same products summed in another order (packed rows, the prompt's keys gathered), as the trainer's
-# packed layout against its padded one (tests/update_helpers.VALUE_TOL); measured here: 1e-6 on Zen 3
+# packed layout against its padded one (tests/rl/update_helpers.VALUE_TOL); measured here: 1e-6 on Zen 3
 TOL = 2e-5
 
 

@@ -15,7 +15,7 @@ from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
 from tailrl.rl.algos import kl_penalty
 from tests.conftest import tiny_model
-from tests.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, padded_reference
+from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, padded_reference
 
 
 @pytest.fixture(scope="module")

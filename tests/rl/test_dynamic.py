@@ -106,7 +106,7 @@ def _rows(out):
 
 
 # a shaped reward the accuracy verifier cannot judge: dynamic sampling filters on its total
-DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.test_dynamic:odd_prompts_only]", "algo.mini_batch_size=8",
+DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.rl.test_dynamic:odd_prompts_only]", "algo.mini_batch_size=8",
       "trainer.prompts_per_step=2", "rollout.n=4", "algo.max_gen_rounds=4", "algo.filter_metric=reward")
 
 
@@ -133,7 +133,7 @@ def test_dynamic_sampling_fills_the_batch_and_resumes_exactly(tiny_chat, task_fi
 
 @pytest.mark.slow
 def test_dynamic_sampling_stops_at_max_gen_rounds_without_an_update(tiny_chat, task_file, tmp_path):
-    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, *DS, "reward.functions=[tests.test_dynamic:constant]",
+    cfg = tiny_cfg(tiny_chat, task_file, tmp_path, *DS, "reward.functions=[tests.rl.test_dynamic:constant]",
                    "algo.max_gen_rounds=3", "trainer.steps=4", "trainer.save_every=0")
     rows = _rows(train(cfg))  # 4 steps with nothing to learn: the run does not stop (no error, no skipped update)
     assert len(rows) == 4

@@ -17,7 +17,7 @@ from tailrl.rl.rewards.runner import RewardError, RewardRunner
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def invalid_values(prompts, completions, **_):
@@ -43,7 +43,7 @@ def score(runner, n=5):
 
 
 def test_invalid_values_are_counted_and_named(caplog):
-    runner = RewardRunner(["tests.test_faults_rewards:invalid_values"], timeout_s=30)
+    runner = RewardRunner(["tests.rl.test_faults_rewards:invalid_values"], timeout_s=30)
     try:
         with caplog.at_level(logging.WARNING):
             total, stats = score(runner)
@@ -51,11 +51,11 @@ def test_invalid_values_are_counted_and_named(caplog):
         runner.close()
     assert total == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert stats.invalid == 4 and stats.errors == 0
-    assert "tests.test_faults_rewards:invalid_values" in caplog.text and "reward/invalid" in caplog.text
+    assert "tests.rl.test_faults_rewards:invalid_values" in caplog.text and "reward/invalid" in caplog.text
 
 
 def test_wrong_number_of_values_names_the_function_and_both_lengths():
-    runner = RewardRunner(["tests.test_faults_rewards:one_short"], timeout_s=30)
+    runner = RewardRunner(["tests.rl.test_faults_rewards:one_short"], timeout_s=30)
     try:
         with pytest.raises(RewardError, match=r"one_short returned 4 values for 5 completions"):
             score(runner)
@@ -64,7 +64,7 @@ def test_wrong_number_of_values_names_the_function_and_both_lengths():
 
 
 def test_a_function_failing_on_every_sample_stops_the_run_after_max_failed_steps():
-    runner = RewardRunner(["math", "tests.test_faults_rewards:always_raises"], timeout_s=30, max_failed_steps=2)
+    runner = RewardRunner(["math", "tests.rl.test_faults_rewards:always_raises"], timeout_s=30, max_failed_steps=2)
     try:
         _, stats = score(runner, 2)
         assert stats.errors == 2
@@ -117,7 +117,7 @@ def test_a_stuck_reward_worker_dies_with_the_run(tmp_path):
         import threading, time
         from tailrl.rl.rewards.runner import RewardRunner
         if __name__ == "__main__":
-            runner = RewardRunner(["tests.test_faults_rewards:spins"], timeout_s=600)
+            runner = RewardRunner(["tests.rl.test_faults_rewards:spins"], timeout_s=600)
             threading.Thread(target=lambda: runner(["p"], ["c"], {"answer": ["1"]}), daemon=True).start()
             time.sleep(600)
         """)

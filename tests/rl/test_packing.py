@@ -14,7 +14,7 @@ from tailrl.rl.actor.forward import make_batch, micro_batches, sequence_logprobs
 from tailrl.rl.actor.packing import layout, packed_tokens
 from tailrl.rl.actor.update import update_plan
 from tests.conftest import tiny_model
-from tests.update_helpers import VALUE_TOL, assert_micro_batches_match_padded, padded_reference
+from tests.rl.update_helpers import VALUE_TOL, assert_micro_batches_match_padded, padded_reference
 
 
 @pytest.fixture(scope="module")

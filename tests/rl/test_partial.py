@@ -21,7 +21,7 @@ from tailrl.rl.run import train
 from tailrl.rl.trainer import Trainer
 from tests.rl_helpers import check_rounds, tiny_cfg
 
-from .cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
+from tests.cluster_fakes import CPU, PARAMS, PROMPTS, fake_rollout, spec
 
 PARTIAL = ("rollout.partial=true", "rollout.max_tokens=48", "rollout.n=4", "algo.mini_batch_size=8")
 # runs compared token for token: fp32 (bf16 batch invariance is established for SmolLM2's shapes, engine/invariant.py;
@@ -252,7 +252,7 @@ def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tm
     """Each round asks the partial rollout for the informative groups still missing; the update gets them."""
     out = tmp_path / "run"
     train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, "trainer.steps=3", "algo.dynamic_sampling=true",
-                   "reward.functions=[tests.test_dynamic:odd_prompts_only]", "algo.filter_metric=reward",
+                   "reward.functions=[tests.rl.test_dynamic:odd_prompts_only]", "algo.filter_metric=reward",
                    "trainer.prompts_per_step=2"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for r in rows:  # the update gets the informative groups found; fewer than 2 only at the round limit, reported
@@ -289,7 +289,7 @@ def test_staleness_is_over_the_trained_tokens_when_a_round_is_served_from_the_bu
     informative group drawn 2 versions ago and one without a spread; later rounds draw fresh groups. The staleness
     metrics are over the tokens the update trains, the buffered group's included (merged by tokens drawn, it read 0)."""
     tr = Trainer(tiny_cfg(tiny_chat, task_file, tmp_path, *PARTIAL, "algo.dynamic_sampling=true",
-                          "trainer.prompts_per_step=2", "reward.functions=[tests.test_partial:text_len]",
+                          "trainer.prompts_per_step=2", "reward.functions=[tests.rl.test_partial:text_len]",
                           "algo.filter_metric=reward"))
     try:
         tr.step = 2

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 RUN = ("model.dtype=float32", "rollout.spec.mode=off", "rollout.partial=true", "trainer.prompts_per_step=2",
        "rollout.n=4", "rollout.max_tokens=8", "algo.mini_batch_size=8", "algo.micro_batch_size=8",
        "algo.lr_schedule=constant", "trainer.save_every=1", "trainer.eval_every=0", "trainer.report=false",
-       "rollout.kv_cache_gb=0.2", "data.num_eval=2", "reward.functions=[tests.test_partial_resume:chars]",
+       "rollout.kv_cache_gb=0.2", "data.num_eval=2", "reward.functions=[tests.rl.test_partial_resume:chars]",
        "reward.weights=[1.0]")
 
 
@@ -63,7 +63,7 @@ def test_a_resumed_partial_run_on_smollm2_in_fp32_equals_the_straight_run(tmp_pa
 # batch-invariant passes, since when a trajectory's next turn joins the batch follows its tool's timing (plain fp32
 # passes gave the same tokens with logprobs 1e-7 apart, run to run, from step 1)
 TOOLS = (*(x for x in RUN if not x.startswith(("rollout.max_tokens", "reward."))), "rollout.max_tokens=48",
-         "reward.functions=[tests.test_partial_resume:chars]", "reward.weights=[1.0]", "rollout.batch_invariant=true")
+         "reward.functions=[tests.rl.test_partial_resume:chars]", "reward.weights=[1.0]", "rollout.batch_invariant=true")
 
 
 def test_a_resumed_partial_tools_run_on_smollm2_in_fp32_equals_the_straight_run(tmp_path):

@@ -77,7 +77,7 @@ def hangs_on_seven(prompts, completions, answer, **_):
 
 def test_raising_and_hanging_user_rewards_give_zero_and_go_on():
     """A raising sample fails alone; a hanging batch gets 0 for this step (one timeout, no per-sample retries)."""
-    runner = RewardRunner(["tests.test_rewards:raises_on_seven", "tests.test_rewards:hangs_on_seven"], timeout_s=3)
+    runner = RewardRunner(["tests.rl.test_rewards:raises_on_seven", "tests.rl.test_rewards:hangs_on_seven"], timeout_s=3)
     try:
         rewards, stats = runner(["p"] * 3, ["#### 1", "#### 7", "#### 3"], {"answer": ["1", "7", "3"]})
         assert rewards == [1.0, 0.0, 1.0]

@@ -14,7 +14,7 @@ from tailrl.rl.actor.forward import make_batch, mask_truncated
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
 from tests.conftest import tiny_model
-from tests.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, comps
+from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, comps
 
 LOSSES = ("ppo", "gspo", "cispo")
 ADV = torch.tensor([0.9, -0.3, -0.6, 1.1, -1.1, 0.5, -0.5, 0.2])

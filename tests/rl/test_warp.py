@@ -16,11 +16,11 @@ from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
 from tailrl.rl.algos import token_logprobs
 from tests.conftest import tiny_model
-from tests.update_helpers import GRAD_ATOL, GRAD_RTOL, VALUE_TOL
+from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, VALUE_TOL
 
 T, K, P = 0.9, 20, 0.8
 # fp32, the same model: the engine's paged decode against the trainer's packed forward, the same products summed
-# in another order (tests/test_score.py's bound for the engine's warped logprobs against a plain forward)
+# in another order (tests/engine/test_score.py's bound for the engine's warped logprobs against a plain forward)
 TOL = 2e-5
 
 

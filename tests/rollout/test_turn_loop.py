@@ -1,6 +1,6 @@
 """The one turn loop (rollout/turns.py) over the StepEngine protocol (rollout/base.py): with no tools a request is one
 turn, and the loop draws exactly what Engine.generate draws; its partial hooks stop early and export the rest,
-which continue to the very tokens of a straight run (with tools: tests/test_partial_tools.py); what it refuses, it
+which continue to the very tokens of a straight run (with tools: tests/agent/test_partial_tools.py); what it refuses, it
 refuses by name."""
 
 import typing

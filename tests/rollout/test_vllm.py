@@ -1,4 +1,4 @@
-"""The vLLM backend's checks (tests/vllm_checks.py) and `tailrl generate --backend vllm`, each in a process of its
+"""The vLLM backend's checks (tests/rollout/vllm_checks.py) and `tailrl generate --backend vllm`, each in a process of its
 own; skipped only where vLLM is not installed (`bash scripts/setup.sh --vllm` installs it, and the test command CI
 runs does). One process per command: vLLM seeds the global RNGs and binds the threads of a process that builds an
 LLM, and freeing one in-process LLM tears down the distributed state the others in that process run on."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed: bash scripts/setup.sh --vllm (docs/vllm.md)")
 
@@ -26,7 +26,7 @@ def env(**extra) -> dict:
 @needs_vllm
 def test_vllm_backend_checks():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                          "tests/vllm_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+                          "tests/rollout/vllm_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert re.search(r"\b7 passed", run.stdout), run.stdout[-2000:]  # none of them skipped
 
@@ -35,7 +35,7 @@ def test_vllm_backend_checks():
 @needs_vllm
 def test_vllm_agent_checks():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                          "tests/vllm_agent_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+                          "tests/rollout/vllm_agent_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert re.search(r"\b2 passed", run.stdout), run.stdout[-2000:]
 
@@ -44,7 +44,7 @@ def test_vllm_agent_checks():
 @needs_vllm
 def test_generate_with_backend_vllm_writes_the_same_jsonl_and_summary(tmp_path):
     """`tailrl generate --backend vllm --spec tailrl --epochs 2` on the tiny vLLM model: text and prompt_ids rows
-    sampled by vLLM with our proposer (the gate skipped: the audit's verdicts are tests/vllm_checks.py's), a malformed
+    sampled by vLLM with our proposer (the gate skipped: the audit's verdicts are tests/rollout/vllm_checks.py's), a malformed
     row and a prompt outside the vocabulary failing alone, the JSONL rows and the summary line as with our engine."""
     from tests.conftest import make_tiny_vllm_model
 

@@ -1,7 +1,7 @@
 """The vLLM backend's audit gate without vLLM: the context its audit's LLMs get (the longest prompt + the rollout's
 max_tokens, an error beyond the model's), and what rollout.vllm_spec does with a real failing verdict (our engine
-made lossy, as tests/test_audit.py makes it): auto decodes plainly with one warning naming the figures, an explicit
-speculation is refused naming them. The same gate on real vLLM engines: tests/vllm_checks.py."""
+made lossy, as tests/speculative/test_audit.py makes it): auto decodes plainly with one warning naming the figures, an explicit
+speculation is refused naming them. The same gate on real vLLM engines: tests/rollout/vllm_checks.py."""
 
 import logging
 
@@ -102,7 +102,7 @@ def peaked(tmp_path_factory):
 
 
 def gate(monkeypatch, tmp_path, peaked, lossy: bool):
-    """The gate's audit answered by our engine's audit on the peaked model (tests/test_audit.py), made lossy (it
+    """The gate's audit answered by our engine's audit on the peaked model (tests/speculative/test_audit.py), made lossy (it
     emits rejected drafts) or not: a verdict reached by the audit itself, not written by hand."""
     from tests.helpers import engine_audit, lossy_decide
 

@@ -1,7 +1,7 @@
 """Our history proposer as vLLM drives it (rollout/vllm/proposer.py), without vLLM: vLLM's calls are simulated
 with its arrays (sampled tokens per row, tokens per row, the token table). Rows find their prompt by prefix, a row
 that vLLM moves keeps its stream (nothing indexed twice), drafts come from an earlier epoch's responses, and what
-was verified calibrates the acceptance estimates. The proposer inside a real vLLM: tests/vllm_checks.py."""
+was verified calibrates the acceptance estimates. The proposer inside a real vLLM: tests/rollout/vllm_checks.py."""
 
 from types import SimpleNamespace
 

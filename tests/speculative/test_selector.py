@@ -15,7 +15,7 @@ import pytest
 from tailrl.speculative.off_estimate import off_seconds
 from tailrl.speculative.selector import OFF, PROBE_MAX
 from tailrl.speculative.step_cost import Geometry, StepTime
-from tests.selector_helpers import (BUDGETS, CALL, EXPENSIVE, ITEM, TAIL_ONLY, TILE, World, make_selector, off_rate,
+from tests.speculative.selector_helpers import (BUDGETS, CALL, EXPENSIVE, ITEM, TAIL_ONLY, TILE, World, make_selector, off_rate,
                                     rate, right_share, run, trained)
 
 
