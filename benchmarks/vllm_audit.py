@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="the tiny peaked Llama of tests/rollout/vllm_checks.py and its prompts")
+    ap.add_argument("--tiny", action="store_true", help="the tiny peaked Llama of tailrl/model/tiny.py and its prompts")
     args = ap.parse_args()
 
     import torch
@@ -45,7 +45,7 @@ def main() -> None:
     from tailrl.speculative.audit import AuditConfig, context_needed, draw, judge, score_arm, tol_for
 
     if args.tiny:
-        from tests.rollout.vllm_checks import PROMPTS, make_folder
+        from tailrl.model.tiny import VLLM_PROMPTS as PROMPTS, make_tiny_vllm_model as make_folder
 
         folder, prompts, name = make_folder(tempfile.mkdtemp(prefix="tiny_vllm_")), PROMPTS[:4], "tiny Llama"
     else:

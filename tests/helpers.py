@@ -11,8 +11,23 @@ from tailrl.drafter.buffer import DraftBuffer
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK
 from tailrl.engine.sampler import warp_tensors, warped_logprobs
+from tailrl.model.tiny import load_tiny
 from tailrl.speculative.audit import AuditConfig, audit
 from tailrl.speculative.noise import gumbel, row_keys
+
+
+def tiny_model(tmp_path_factory, kind: str = "llama", seed: int = 0, dtype=None):
+    """The tiny model family every engine, speculation and update test runs: a random tiny HF checkpoint
+    (tailrl/model/tiny.py's `make_tiny_checkpoint`: 3 layers, 64 wide, 96 words) of `kind`, loaded by tailrl on the
+    CPU."""
+    return load_tiny(tmp_path_factory.mktemp(f"tiny_{kind}_{seed}"), kind, seed=seed, dtype=dtype)
+
+
+def peaked_tiny_model(folder, vocab: int, scale: float, dtype=None):
+    """A tiny random Qwen2 (token ids, no tokenizer) whose LM head is scaled by `scale`: peaked,
+    context-dependent next-token distributions, so a chi-square sees a wrong one with few draws."""
+    return load_tiny(folder, "qwen2", seed=4, dtype=dtype, vocab=vocab, head_scale=scale)
+
 
 CHATS = [
     [{"role": "user", "content": "List the first ten prime numbers."}],

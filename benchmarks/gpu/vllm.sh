@@ -143,7 +143,7 @@ except Exception as e:
         print(f"  -> vLLM's Python needs a newer torch than {torch.__version__}: {e}")
     sys.exit(1)
 from vllm import LLM, SamplingParams
-from tests.conftest import make_tiny_vllm_model
+from tailrl.model.tiny import make_tiny_vllm_model
 folder = make_tiny_vllm_model(tempfile.mkdtemp(prefix="tiny-llama-"))
 for eager in (True, False):
     t = time.time()

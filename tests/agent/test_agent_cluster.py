@@ -13,7 +13,7 @@ from tailrl.rollout.base import requests_of
 from tailrl.rollout.remote import cluster_agent_rollout, split
 from tailrl.rollout.turns import TurnLoop
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import TOOL_WORDS, make_tiny_chat_model
+from tailrl.model.tiny import TOOL_WORDS, make_tiny_chat_model
 
 
 def test_prompts_split_round_robin_and_cover_every_prompt():

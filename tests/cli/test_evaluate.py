@@ -37,7 +37,7 @@ def tiny_run(tmp_path_factory):
     """A 2-step run of a tiny model that answers '#### 3' or '#### 7' (so greedy accuracy is 5/16 or 11/16)."""
     from safetensors.torch import load_file, save_file
 
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
 
     root = tmp_path_factory.mktemp("evalrun")
     model = make_tiny_chat_model(root / "m", words=WORDS)

@@ -18,7 +18,7 @@ from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.rollout.ray_worker import head_state, merge_heads
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import make_tiny_chat_model
+from tailrl.model.tiny import make_tiny_chat_model
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
 

@@ -12,7 +12,7 @@ from tailrl.cluster.workers import WorkerSpec
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import load_model
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import make_tiny_chat_model
+from tailrl.model.tiny import make_tiny_chat_model
 from tests.helpers import assert_same_or_tie
 
 from tests.cluster_fakes import fake_rollout

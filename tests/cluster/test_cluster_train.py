@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from tailrl.rl.run import train
-from tests.conftest import make_tiny_chat_model
+from tailrl.model.tiny import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg, write_task
 
 pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray

@@ -194,7 +194,7 @@ def test_drafter_config_errors_name_the_problem():
 def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
     from tailrl.rl.run import train
     from tailrl.rl.trainer import Trainer
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
     from tests.rl_helpers import tiny_cfg
 
     model_dir = str(make_tiny_chat_model(tmp_path / "m"))
@@ -222,7 +222,7 @@ def test_rl_run_trains_the_drafter_online_and_resumes_it(tmp_path):
 
 def test_cli_drafter_train_then_generate_with_it(tmp_path, capsys):
     from tailrl.cli import main
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
 
     model_dir = str(make_tiny_chat_model(tmp_path / "m"))
     data = tmp_path / "prompts.jsonl"

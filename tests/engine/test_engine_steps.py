@@ -12,7 +12,7 @@ from tailrl.model.step import make_step
 from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.noise import gumbel, row_keys, uniform, uniforms
 from tailrl.speculative.tree import DraftTree
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17]]
 

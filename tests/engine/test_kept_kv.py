@@ -8,8 +8,7 @@ import torch
 
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
-from tests.helpers import cache_gb
+from tests.helpers import cache_gb, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK, BlockTables, blocks_for
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
-from tests.helpers import cache_gb
+from tests.helpers import cache_gb, tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 7, 23, 16, 55, 12)]
 

@@ -9,7 +9,7 @@ import torch
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.engine.blocks import BLOCK
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 FEW_SHOT = [3 + (5 * i) % 80 for i in range(45)]  # a shared prefix of 2 whole blocks and 13 tokens
 PROMPTS = [FEW_SHOT + [10 + i, 20 + i, 30 + i] * (i + 1) for i in range(5)] + [FEW_SHOT[:32]]  # the last: 2 blocks

@@ -12,7 +12,7 @@ from tailrl.engine.runner import ModelRunner
 from tailrl.model.step import make_padded_step, make_step
 from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.tree import DraftTree
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 from tests.helpers import assert_same_or_tie
 

@@ -41,7 +41,7 @@ def responses(seed, vocab, n=9):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("budget", [None, 96 * 30])  # one piece; pieces of at most 30 tokens (the prompt each time)
 def test_shared_prompt_scores_as_one_forward_per_response(kind, budget, tmp_path_factory, monkeypatch):
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     model = tiny_model(tmp_path_factory, kind)
     if budget:
@@ -59,7 +59,7 @@ def test_shared_prompt_scores_as_one_forward_per_response(kind, budget, tmp_path
 
 def test_warping_matches_too(tmp_path_factory):
     """top-k and top-p as the arm's: the same support (a token outside it scores -inf on both paths)."""
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     model = tiny_model(tmp_path_factory, "llama", seed=1)
     prompt, rs = [1, 7, 8, 9, 4], responses(3, 96)

@@ -126,7 +126,7 @@ def test_save_pretrained_roundtrips_through_transformers(smollm, tmp_path):
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    from tests.conftest import make_tiny_checkpoint
+    from tailrl.model.tiny import make_tiny_checkpoint
 
     hf = make_tiny_checkpoint(tmp_path / "a", "qwen2")
     hf.save_pretrained(tmp_path / "b", max_shard_size="100KB")
@@ -150,7 +150,7 @@ def test_unsupported_architecture_names_it(tmp_path):
 
 
 def test_mismatched_weights_name_the_missing_keys(tmp_path):
-    from tests.conftest import make_tiny_checkpoint
+    from tailrl.model.tiny import make_tiny_checkpoint
     from safetensors.torch import load_file, save_file
 
     make_tiny_checkpoint(tmp_path, "qwen2")
@@ -210,7 +210,7 @@ def test_an_engine_decodes_with_the_weights_a_fused_optimizer_step_left(tmp_path
     import copy
 
     from tailrl.engine import Engine, EngineConfig, SamplingParams
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     model = tiny_model(tmp_path_factory, dtype=torch.float32)
     prompts, params = [[1, 5, 9, 2], [7, 3]], SamplingParams(temperature=0, max_tokens=12)

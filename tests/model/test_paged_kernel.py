@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tailrl.engine import Engine, EngineConfig, SamplingParams
 from tailrl.model import paged_attention as pa
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 needs_kernel = pytest.mark.skipif(not pa.available(), reason=f"the kernel is not built here: {pa._WHY}")
 

@@ -14,7 +14,7 @@ from tailrl.rl.actor.forward import make_batch
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
 from tailrl.rl.algos import kl_penalty
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, padded_reference
 
 

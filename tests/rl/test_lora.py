@@ -154,7 +154,7 @@ def test_bad_lora_settings_name_the_problem(tiny_chat, task_file, tmp_path, bad,
 
 
 def test_an_adapter_for_another_base_is_refused(tiny_lm, tmp_path):
-    from tests.conftest import make_tiny_checkpoint
+    from tailrl.model.tiny import make_tiny_checkpoint
 
     import copy
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tailrl.config.actor import PROJECTIONS
 from tailrl.rl.checkpoint.sharded_io import read_metadata
 from tailrl.rl.run import train
-from tests.conftest import make_tiny_chat_model
+from tailrl.model.tiny import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg, write_task
 
 # fp32: each mini-batch holds two GRPO groups, one per rank; the one-process run accumulates the same two groups'

@@ -13,7 +13,7 @@ from tailrl.config import AlgoCfg
 from tailrl.rl.actor.forward import make_batch, micro_batches, sequence_logprobs
 from tailrl.rl.actor.packing import layout, packed_tokens
 from tailrl.rl.actor.update import update_plan
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.rl.update_helpers import VALUE_TOL, assert_micro_batches_match_padded, padded_reference
 
 

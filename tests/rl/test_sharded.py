@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tailrl.rl.actor import group as actor_group
 from tailrl.rl.actor.group import RankFailed
 from tailrl.rl.run import train
-from tests.conftest import make_tiny_chat_model
+from tailrl.model.tiny import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg, write_task
 
 # fp32 throughout; the ranks sum the same gradients in another order (reduce-scatter, two halves of each

@@ -14,7 +14,7 @@ from tailrl.rl.actor.forward import make_batch, micro_batches, no_grad_logprobs
 from tailrl.rl.actor.logprobs import head_logprobs
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import mismatch, policy_update
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.rl.update_helpers import (GRAD_ATOL, GRAD_RTOL, VALUE_TOL, assert_micro_batches_match_padded, assert_same_update,
                                   GradRecorder, comps, padded_reference)
 

@@ -13,7 +13,7 @@ from tailrl.config import AlgoCfg
 from tailrl.rl.actor.forward import make_batch, mask_truncated
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, GradRecorder, comps
 
 LOSSES = ("ppo", "gspo", "cispo")

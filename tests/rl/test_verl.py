@@ -152,7 +152,7 @@ WORDS = ["<pad>", "<s>", "<eos>", "<|user|>", "<|assistant|>", "?", "#### 7", "\
 @pytest.mark.parametrize("files", [gsm8k_files, math_files])
 def test_train_on_verl_parquet_as_it_is(files, tmp_path, monkeypatch, capsys):
     from tailrl.cli import main
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
 
     model = make_tiny_chat_model(tmp_path / "m", words=WORDS)
     train_file, test_file = files(tmp_path)

@@ -15,7 +15,7 @@ from tailrl.rl.actor.logprobs import Warp, head_logprobs
 from tailrl.rl.actor.precision import Precision
 from tailrl.rl.actor.update import policy_update
 from tailrl.rl.algos import token_logprobs
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 from tests.rl.update_helpers import GRAD_ATOL, GRAD_RTOL, VALUE_TOL
 
 T, K, P = 0.9, 20, 0.8

@@ -13,7 +13,7 @@ from tailrl.rollout.base import StepEngine, make_requests, requests_of, step_par
 from tailrl.rollout.turns import TurnLoop
 from tailrl.rollout.vllm.turns import VllmTurns
 from tailrl.speculative.config import SpecConfig
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 PROMPTS = [list(range(3, 3 + n)) for n in (9, 17, 5)]
 

@@ -46,7 +46,7 @@ def test_generate_with_backend_vllm_writes_the_same_jsonl_and_summary(tmp_path):
     """`tailrl generate --backend vllm --spec tailrl --epochs 2` on the tiny vLLM model: text and prompt_ids rows
     sampled by vLLM with our proposer (the gate skipped: the audit's verdicts are tests/rollout/vllm_checks.py's), a malformed
     row and a prompt outside the vocabulary failing alone, the JSONL rows and the summary line as with our engine."""
-    from tests.conftest import make_tiny_vllm_model
+    from tailrl.model.tiny import make_tiny_vllm_model
 
     folder = make_tiny_vllm_model(tmp_path / "m")
     prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"

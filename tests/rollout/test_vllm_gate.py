@@ -11,13 +11,13 @@ import torch
 from tailrl.rollout.vllm import audit as vllm_audit
 from tailrl.speculative.audit import AuditConfig, Response
 
-CONTEXT = 512  # tests/conftest.make_tiny_checkpoint's max_position_embeddings
+CONTEXT = 512  # tailrl/model/tiny.py's max_position_embeddings (SHAPE)
 PROMPTS = [[1, 3, 5, 6, 4], [1, 3, 5, 6, 7, 8, 9, 10, 4]]  # the longest: 9 tokens
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
+    from tailrl.model.tiny import make_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("tiny_gate")
     make_tiny_checkpoint(path, "llama", vocab=16)
@@ -83,7 +83,7 @@ def test_the_gate_audits_at_the_rollouts_max_tokens(folder, fake_vllm, monkeypat
 def test_the_audit_command_names_a_max_tokens_beyond_the_context(tmp_path, capsys):
     """`tailrl audit --max-tokens` beyond what the context leaves after its prompts: exit 2 with the figures,
     before any sampling (an engine would cut the responses short)."""
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
 
     from tailrl.cli import main
 
@@ -95,7 +95,7 @@ def test_the_audit_command_names_a_max_tokens_beyond_the_context(tmp_path, capsy
 
 @pytest.fixture(scope="module")
 def peaked(tmp_path_factory):
-    from tests.conftest import peaked_tiny_model
+    from tests.helpers import peaked_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_gate_v8")
     return str(path), peaked_tiny_model(path, vocab=8, scale=6.0, dtype=torch.float32)

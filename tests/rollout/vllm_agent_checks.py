@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from tailrl.model import load_model  # noqa: E402
 from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
-from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402
+from tailrl.model.tiny import make_tiny_vllm_model as make_folder  # noqa: E402
 from tests.rollout.vllm_checks import TOL, our_logprobs  # noqa: E402
 
 
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
-    from tests.conftest import VLLM_TOOL_WORDS
+    from tailrl.model.tiny import VLLM_TOOL_WORDS
 
     return make_folder(tmp_path_factory.mktemp("tiny_vllm_chat"), VLLM_TOOL_WORDS, scale=1.0, chat=True)
 

@@ -22,7 +22,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two shared cores
 import vllm  # noqa: E402
 
 from tailrl.model import load_model  # noqa: E402
-from tests.conftest import make_tiny_vllm_model as make_folder  # noqa: E402 (benchmarks/ import it from here)
+from tailrl.model.tiny import VLLM_PROMPTS as PROMPTS, make_tiny_vllm_model as make_folder  # noqa: E402
 from tailrl.rollout.vllm.audit import PROPOSER  # noqa: E402
 from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
 from tailrl.rollout.vllm.proposer import end_rollout, push_prompts  # noqa: E402
@@ -43,9 +43,6 @@ def plain(folder):
 def drafting(folder, plain):
     spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 4}
     return make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=64, speculative=spec)
-
-
-PROMPTS = [[1, 3] + [5 + (7 * i + j) % 50 for j in range(12)] + [4] for i in range(6)]
 
 
 def our_logprobs(model, seq: list[int]) -> torch.Tensor:

@@ -73,7 +73,7 @@ def test_bad_config_is_named():
 @pytest.fixture(scope="module")
 def peaked_model(tmp_path_factory):
     """A tiny random Qwen2 with 8 tokens and peaked, context-dependent distributions (no tokenizer: token ids)."""
-    from tests.conftest import peaked_tiny_model
+    from tests.helpers import peaked_tiny_model
 
     return peaked_tiny_model(tmp_path_factory.mktemp("tiny_v8"), vocab=8, scale=6.0, dtype=torch.float32)
 
@@ -112,7 +112,7 @@ def test_the_floor_and_the_count():
 def sharp(tmp_path_factory):
     """A tiny Qwen2 of 8 tokens whose LM head is scaled by 100: at each position some token has target log p far
     below the floor (about -17 here), and our engine's SD arm drawn from it (4 prompts x 64 x 16 tokens, T = 1)."""
-    from tests.conftest import peaked_tiny_model
+    from tests.helpers import peaked_tiny_model
 
     from tailrl.cli_audit import tailrl_arms
     from tailrl.engine.score import model_scorer
@@ -175,7 +175,7 @@ def test_one_misreported_logprob_fails(sharp):
 def test_the_audit_command_prints_its_setup_a_table_and_a_verdict(tmp_path, capsys):
     """`tailrl audit`: stdout is the report (what was audited, the table, PASS or FAIL with the rule and each
     temperature's outcome); progress goes to stderr."""
-    from tests.conftest import make_tiny_chat_model
+    from tailrl.model.tiny import make_tiny_chat_model
 
     from tailrl.cli import main
 

@@ -13,8 +13,7 @@ from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.draft_cost import DraftCost
 from tailrl.speculative.selector import Arm
 from tailrl.speculative.speculator import Speculator
-from tests.conftest import tiny_model
-from tests.helpers import exact_joint
+from tests.helpers import exact_joint, tiny_model
 from tests.stats import chisquare_pvalue
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 12]]

@@ -145,7 +145,7 @@ def test_history_keeps_last_epochs_and_round_trips(tiny_ckpt_v96):
 
 @pytest.fixture(scope="module")
 def tiny_ckpt_v96(tmp_path_factory):
-    from tests.conftest import make_tiny_checkpoint
+    from tailrl.model.tiny import make_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("tiny_v96")
     make_tiny_checkpoint(folder, "llama", seed=1)

@@ -10,7 +10,7 @@ from tailrl.speculative.config import SpecConfig
 from tailrl.speculative.drafters import ModelFreeDrafter
 from tailrl.speculative.speculator import Speculator
 from tailrl.speculative.tree import DraftTree
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
 
