@@ -1,5 +1,5 @@
 """The audit's scorer (engine/score.py): a prompt's responses in one forward with the prompt computed once, against
-one forward per response (tests/engine/test_score.per_response, the computation it replaced), on SmolLM2 in fp32.
+one forward per response (engine/score.py's per_response, the computation it replaced), on SmolLM2 in fp32.
 
     python benchmarks/audit_scorer.py [--responses 16] [--reps 3]
 
@@ -28,9 +28,8 @@ def main() -> None:
 
     from tailrl.cli_audit import audit_prompts
     from tailrl.engine.requests import encode
-    from tailrl.engine.score import model_scorer
+    from tailrl.engine.score import model_scorer, per_response
     from tailrl.model import load_model
-    from tests.engine.test_score import per_response
 
     model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
     prompt = audit_prompts(lambda m: encode(tok, m), 1, 0)[0]

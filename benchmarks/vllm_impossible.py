@@ -1,4 +1,4 @@
-"""Does vLLM's speculative decoding emit tokens the target rules out? A tiny peaked model (tests/rollout/vllm_checks.py),
+"""Does vLLM's speculative decoding emit tokens the target rules out? A tiny peaked model (tailrl/model/tiny.py),
 sampled at T = 1 with speculation off, with our history proposer, and with vLLM's ngram; each emitted token is
 scored by our model (fp32): a token whose log p is below -20 can never come out of a lossless sampler in this
 many draws (the expected count is < 1e-5). Run in a venv with vLLM (scripts/setup.sh --vllm):
@@ -40,12 +40,13 @@ def main() -> None:
     from tailrl.rollout.vllm.llm import make_llm, vllm_version
     from tailrl.rollout.vllm.rollout import draw
     from tailrl.speculative.audit import context_needed
-    from tests.rollout.vllm_checks import PROMPTS, make_folder, our_logprobs
+    from tailrl.engine.score import sequence_logprobs as our_logprobs
+    from tailrl.model.tiny import VLLM_PROMPTS as PROMPTS, make_tiny_vllm_model as make_folder
 
     folder = make_folder(tempfile.mkdtemp(prefix="tiny_vllm_"))
     model, _ = load_model(folder, device="cpu", dtype=torch.float32)
     max_len = context_needed(PROMPTS, args.max_tokens, model_context(folder))
-    print(f"{vllm_version()}, tiny Llama (tests/rollout/vllm_checks.py), {len(PROMPTS)} prompts x {args.n} samples x "
+    print(f"{vllm_version()}, tiny Llama (tailrl/model/tiny.py), {len(PROMPTS)} prompts x {args.n} samples x "
           f"{args.max_tokens} tokens at T 1, {args.epochs} rollouts per arm, k {args.k}\n")
     print("| arm | rollout | tokens | drafted | accepted | tokens with target log p < -20 | lowest target log p | "
           "max abs(reported - target logprob) |")

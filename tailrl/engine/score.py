@@ -87,3 +87,29 @@ def model_scorer(model, top_k: int = 0, top_p: float = 1.0) -> TargetScorer:
         return out
 
     return TargetScorer(score, vocab)
+
+
+@torch.no_grad()
+def per_response(model, prompt: list[int], responses: list[list[int]], temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> list[list[float]]:
+    """One forward per response over its own sequence (prompt + response): the computation `model_scorer` replaced,
+    kept as its reference (tests/engine/test_score.py, benchmarks/audit_scorer.py)."""
+    out = []
+    for r in responses:
+        if not r:
+            out.append([])
+            continue
+        logits = model.forward_full(torch.tensor([prompt + r]), logits_start=len(prompt) - 1)[0][0, :-1]
+        n = len(logits)
+        logp = warped_logprobs(logits, torch.full((n,), temperature), torch.full((n,), top_k) if top_k else None,
+                               torch.full((n,), top_p) if top_p < 1 else None)
+        out.append(logp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1).double().tolist())
+    return out
+
+
+@torch.no_grad()
+def sequence_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """log p(seq[t] | seq[:t]) for t >= 1 under our model (T 1, no warping; the softmax in float64): what another
+    engine's prompt logprobs are checked against (tests/rollout/vllm_checks.py, benchmarks/vllm_impossible.py)."""
+    logits = model.forward_full(torch.tensor([seq]))[0][0].double()
+    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)

@@ -4,31 +4,13 @@ give each token the log p of its own sequence, as one forward per response does 
 import random
 
 import pytest
-import torch
 
 from tailrl.engine import score as score_mod
-from tailrl.engine.sampler import warped_logprobs
-from tailrl.engine.score import model_scorer, pieces
+from tailrl.engine.score import model_scorer, per_response, pieces
 
 # fp32: the same products summed in another order (packed rows, the prompt's keys gathered), as the trainer's
 # packed layout against its padded one (tests/rl/update_helpers.VALUE_TOL); measured here: 1e-6 on Zen 3
 TOL = 2e-5
-
-
-def per_response(model, prompt, responses, temperature, top_k=0, top_p=1.0):
-    """One forward per response over its own sequence (prompt + response): the old scorer's computation."""
-    out = []
-    with torch.no_grad():
-        for r in responses:
-            if not r:
-                out.append([])
-                continue
-            logits = model.forward_full(torch.tensor([prompt + r]), logits_start=len(prompt) - 1)[0][0, :-1]
-            n = len(logits)
-            logp = warped_logprobs(logits, torch.full((n,), temperature), torch.full((n,), top_k) if top_k else None,
-                                   torch.full((n,), top_p) if top_p < 1 else None)
-            out.append(logp.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1).double().tolist())
-    return out
 
 
 def responses(seed, vocab, n=9):

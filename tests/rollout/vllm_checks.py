@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # two shared cores
 import vllm  # noqa: E402
 
 from tailrl.model import load_model  # noqa: E402
+from tailrl.engine.score import sequence_logprobs as our_logprobs  # noqa: E402
 from tailrl.model.tiny import VLLM_PROMPTS as PROMPTS, make_tiny_vllm_model as make_folder  # noqa: E402
 from tailrl.rollout.vllm.audit import PROPOSER  # noqa: E402
 from tailrl.rollout.vllm.llm import make_llm  # noqa: E402
@@ -43,13 +44,6 @@ def plain(folder):
 def drafting(folder, plain):
     spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 4}
     return make_llm(folder, "float32", seed=0, max_model_len=256, max_num_seqs=64, speculative=spec)
-
-
-def our_logprobs(model, seq: list[int]) -> torch.Tensor:
-    """log p(seq[t] | seq[:t]) for t >= 1 under our model, fp32."""
-    with torch.no_grad():
-        logits = model.forward_full(torch.tensor([seq]))[0][0].double()
-    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
 
 
 def vllm_logprobs(llm, seq: list[int]) -> torch.Tensor:
