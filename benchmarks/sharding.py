@@ -91,8 +91,8 @@ def cpu_update_rate(steps: int) -> list[str]:
     import ray
 
     from tailrl.rl.run import train
-    from tests.conftest import make_tiny_chat_model
-    from tests.rl_helpers import tiny_cfg, write_task
+    from tailrl.model.tiny import make_tiny_chat_model
+    from tailrl.rl.smoke import tiny_cfg, write_task
 
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)

@@ -1,16 +1,11 @@
-"""Helpers for training tests: a tiny task file, a tiny training config and reward functions that the
-reward worker imports by name (`tests.rl_helpers:count_a`)."""
+"""Helpers for training tests: the smoke run's task file and config (tailrl/rl/smoke.py: `write_task`, `tiny_cfg`,
+its reward `tailrl.rl.smoke:count_a`), a cheaper step, and reward functions that the reward worker imports by name
+(`tests.rl_helpers:hangs_and_counts`)."""
 
-import json
 import os
 import time
 
-from tailrl.config import load_config
-
-
-def count_a(prompts, completions, **_):
-    """Trivially learnable: the share of 'a' among the words of a completion."""
-    return [c.split().count("a") / max(len(c.split()), 1) for c in completions]
+from tailrl.rl.smoke import PIN_LR, tiny_cfg, write_task  # noqa: F401 (the tests' names for them)
 
 
 def hangs_and_counts(prompts, completions, **_):
@@ -19,27 +14,6 @@ def hangs_and_counts(prompts, completions, **_):
         f.write(f"{len(completions)}\n")
     time.sleep(600)
     return [0.0] * len(completions)
-
-
-def write_task(path, n: int = 64, extra_rows=()) -> str:
-    rows = [{"prompt": f"{i % 10} + {(i * 3) % 10} =", "answer": str(i % 10 + (i * 3) % 10)} for i in range(n)]
-    path.write_text("\n".join(json.dumps(r) for r in [*rows, *extra_rows]) + "\n")
-    return str(path)
-
-
-# tests extend a run (2 steps, then resumed to 3) and compare it with a run of 3 steps: under the default cosine
-# schedule over trainer.steps the two take other rates, so these runs train at a constant rate (test_trainer.py has
-# the cosine run's own resume check, at one trainer.steps)
-PIN_LR = ("algo.lr_schedule=constant",)
-
-
-def tiny_cfg(tiny_chat, task_file, out, *extra):
-    return load_config(None, [
-        f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4", f"trainer.out_dir={out}",
-        "reward.functions=[tests.rl_helpers:count_a]", "reward.weights=[1.0]", "rollout.n=8",
-        "rollout.max_tokens=8", "trainer.prompts_per_step=4", "algo.lr=0.02", "algo.mini_batch_size=16",
-        "algo.micro_batch_size=8", "trainer.eval_every=0", "trainer.save_every=1", "rollout.spec.mode=auto",
-        "rollout.kv_cache_gb=0.1", "trainer.report=false", *PIN_LR, *extra])
 
 
 def small_cfg(tiny_chat, task_file, out, *extra):

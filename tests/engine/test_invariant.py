@@ -268,7 +268,7 @@ def test_bf16_training_steps_are_identical_with_and_without_speculation(tmp_path
     from tailrl.rl.trainer import Trainer
 
     model = [] if cpu_has_bf16() else [f"model.path={tiny_chat}", f"data.train_file={task_file}", "data.num_eval=4",
-                                       "reward.functions=[tests.rl_helpers:count_a]", "reward.weights=[1.0]"]
+                                       "reward.functions=[tailrl.rl.smoke:count_a]", "reward.weights=[1.0]"]
     rows = {}
     for mode in ("off", "history"):  # history, not auto: auto's choice follows measured timings and may decode plainly
         cfg = load_config(None, [f"rollout.spec.mode={mode}", "trainer.prompts_per_step=4", "rollout.n=8",

@@ -169,7 +169,7 @@ def test_no_usable_checkpoint_stops_with_an_error(tiny_chat, task_file, run, cap
 
 def test_an_old_format_folder_resumes_with_the_flag_exactly_and_is_rewritten(tiny_chat, task_file, tmp_path, caplog):
     def run_cfg(out, *extra):  # a reward the tiny model earns, so that every step updates the weights
-        return cfg(tiny_chat, task_file, out, "reward.functions=[tests.rl_helpers:count_a]", "trainer.seed=3", *extra)
+        return cfg(tiny_chat, task_file, out, "reward.functions=[tailrl.rl.smoke:count_a]", "trainer.seed=3", *extra)
 
     run = train(run_cfg(tmp_path / "run", "trainer.steps=2"))
     for ckpt in (run / "checkpoints").glob("step_*"):

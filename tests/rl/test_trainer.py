@@ -85,7 +85,7 @@ def test_a_cosine_run_killed_after_a_step_resumes_at_the_same_rates(tiny_chat, t
 
 def test_raising_and_hanging_rewards_do_not_stop_a_run(tiny_chat, task_file, tmp_path):
     cfg = tiny_cfg(tiny_chat, task_file, tmp_path, "trainer.steps=1", "reward.timeout_s=5",
-                   "reward.functions=[tests.rl.test_trainer:always_raises,tests.rl.test_trainer:always_hangs,tests.rl_helpers:count_a]",
+                   "reward.functions=[tests.rl.test_trainer:always_raises,tests.rl.test_trainer:always_hangs,tailrl.rl.smoke:count_a]",
                    "reward.weights=[1.0,1.0,1.0]", "rollout.n=2", "trainer.prompts_per_step=1")
     rows = [json.loads(x) for x in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward/errors"] >= 1 and rows[-1]["reward/timeouts"] >= 1
