@@ -1,6 +1,6 @@
 """Helpers for training tests: the smoke run's task file and config (tailrl/rl/smoke.py: `write_task`, `tiny_cfg`,
 its reward `tailrl.rl.smoke:count_a`), a cheaper step, and reward functions that the reward worker imports by name
-(`tests.rl_helpers:hangs_and_counts`)."""
+(`tests.rl_helpers:hangs_and_counts`, `tests.rl_helpers:odd_prompts_only`)."""
 
 import os
 import time
@@ -14,6 +14,11 @@ def hangs_and_counts(prompts, completions, **_):
         f.write(f"{len(completions)}\n")
     time.sleep(600)
     return [0.0] * len(completions)
+
+
+def odd_prompts_only(prompts, completions, **_):
+    """Informative only for prompts that start with an odd digit: the others' groups all get 0."""
+    return [(sum(map(ord, c)) % 97) / 97 if p.strip()[:1] in "13579" else 0.0 for p, c in zip(prompts, completions)]
 
 
 def small_cfg(tiny_chat, task_file, out, *extra):

@@ -92,11 +92,6 @@ def test_round_metrics_merge_counts_means_and_recomputed_rates():
     assert r["spec/accept_length"] == pytest.approx((100 + 600) / 400)
 
 
-def odd_prompts_only(prompts, completions, **_):
-    """Informative only for prompts that start with an odd digit: the others' groups all get 0."""
-    return [(sum(map(ord, c)) % 97) / 97 if p.strip()[:1] in "13579" else 0.0 for p, c in zip(prompts, completions)]
-
-
 def constant(prompts, completions, **_):
     return [1.0] * len(completions)
 
@@ -106,7 +101,7 @@ def _rows(out):
 
 
 # a shaped reward the accuracy verifier cannot judge: dynamic sampling filters on its total
-DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.rl.test_dynamic:odd_prompts_only]", "algo.mini_batch_size=8",
+DS = ("algo.dynamic_sampling=true", "reward.functions=[tests.rl_helpers:odd_prompts_only]", "algo.mini_batch_size=8",
       "trainer.prompts_per_step=2", "rollout.n=4", "algo.max_gen_rounds=4", "algo.filter_metric=reward")
 
 

@@ -252,7 +252,7 @@ def test_partial_rollouts_compose_with_dynamic_sampling(tiny_chat, task_file, tm
     """Each round asks the partial rollout for the informative groups still missing; the update gets them."""
     out = tmp_path / "run"
     train(tiny_cfg(tiny_chat, task_file, out, *PARTIAL, "trainer.steps=3", "algo.dynamic_sampling=true",
-                   "reward.functions=[tests.rl.test_dynamic:odd_prompts_only]", "algo.filter_metric=reward",
+                   "reward.functions=[tests.rl_helpers:odd_prompts_only]", "algo.filter_metric=reward",
                    "trainer.prompts_per_step=2"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     for r in rows:  # the update gets the informative groups found; fewer than 2 only at the round limit, reported
