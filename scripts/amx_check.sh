@@ -34,7 +34,7 @@ echo "== 2. tests at 2 threads"
 for isa in default AVX512_CORE_BF16; do
   if [ $isa = default ]; then unset ONEDNN_MAX_CPU_ISA; else export ONEDNN_MAX_CPU_ISA=$isa; fi
   echo "-- ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-unset}"
-  $PY -m pytest -q tests/test_invariant.py tests/test_invariant_amx.py tests/test_update.py 2>&1 | tail -15
+  $PY -m pytest -q tests/engine/test_invariant.py tests/engine/test_invariant_amx.py tests/rl/test_update.py 2>&1 | tail -15
 done
 unset ONEDNN_MAX_CPU_ISA
 

@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 
 # 1. CUDA tests: graph replay == eager padded pass (logits, KV), engine tokens graphs on == off, bf16 engine.
-step 1 && $PY -m pytest -q tests/test_runner.py 2>&1 | tee "$OUT/1_tests.txt"
+step 1 && $PY -m pytest -q tests/engine/test_runner.py 2>&1 | tee "$OUT/1_tests.txt"
 # 2. Parity, bf16: logits vs transformers (max diff / logit std, top-1 agreement), greedy identical but at ties.
 step 2 && $PY benchmarks/gpu/vs_hf.py parity --model smollm2-135m 2>&1 | tee "$OUT/2_parity_smollm.txt"
 step 2 && $PY benchmarks/gpu/vs_hf.py parity --model qwen2.5-1.5b --tokens 64 2>&1 | tee "$OUT/2_parity_qwen.txt"

@@ -1,6 +1,6 @@
 """The built-in `python` tool: runs code in a separate, limited process and returns what it printed.
 
-What holds (each a test in tests/test_sandbox.py): the code runs in a fresh `python -I -S` (no site-packages, no
+What holds (each a test in tests/agent/test_sandbox.py): the code runs in a fresh `python -I -S` (no site-packages, no
 user site, PYTHON* variables ignored) in a new session, with a cleared environment and an empty temporary working
 directory that is removed afterwards; rlimits on CPU time, address space, processes (RLIMIT_NPROC, set before the
 code runs), file size and open files; a wall-clock timeout that SIGKILLs the whole process group; stdout + stderr

@@ -249,7 +249,7 @@ def _end_to_end(model: CausalLM) -> list[str]:
     """A prompt of CHUNK + 40 tokens (its keys span two chunks): its last token's logits from the prefill alone, from
     its prefill beside another prompt (prompts admitted together prefill in one pass), from a decode pass alone, and
     from a decode pass beside two other sequences, one verifying a draft tree. The prompts are those of
-    tests/test_invariant.py's prefill test: on an Intel CPU with AMX at 2 threads (torch 2.11) a prompt prefilled
+    tests/engine/test_invariant.py's prefill test: on an Intel CPU with AMX at 2 threads (torch 2.11) a prompt prefilled
     beside another gave other bits than alone while every check at shorter prefills held (benchmarks/RESULTS.md,
     session 19)."""
     c = model.config

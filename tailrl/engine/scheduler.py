@@ -8,7 +8,7 @@ for `max_tokens`. Before each decode pass every running sequence gets a block fo
 is short the most recently admitted sequences are preempted: their blocks go back and they wait at the front of
 the queue, to be recomputed by a prefill of prompt and tokens so far. Noise is keyed by (seed, position) and a
 batch-invariant prefill gives a token the bits decoding gave it, so a preempted sequence emits the very tokens it
-would have emitted (tests/test_paged.py). A sequence that outgrows the whole pool alone finishes ("length", with
+would have emitted (tests/engine/test_paged.py). A sequence that outgrows the whole pool alone finishes ("length", with
 an error naming the numbers) and the rest goes on.
 
 Kept KV across requests (an agent's turns): a sample whose params ask `keep_kv` and that finishes on a stop parks

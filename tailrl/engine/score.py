@@ -9,7 +9,7 @@ A prompt's responses are scored in one forward over the prompt once and every re
 (`CausalLM.forward_shared`, the trainer's layout, rl/actor/packing.py): each response reads the prompt's keys and
 values (computed once) and then its own, causally, at the positions its own sequence has, so each token's log p is
 that of its own sequence, the same products summed in another order than one forward per response (fp32: within
-2e-5 on the tiny models of tests/test_score.py, 4e-5 on SmolLM2 for random tokens; the audit's logprob bound is
+2e-5 on the tiny models of tests/engine/test_score.py, 4e-5 on SmolLM2 for random tokens; the audit's logprob bound is
 0.05). The prompt's last row predicts every response's first token. Responses go in pieces whose logit rows stay
 near 128 MB; each piece computes the prompt once. SmolLM2, one audit prompt (58 tokens) with 16 responses of 8-64
 tokens, 1 thread of a Zen 3: 5.3 s against 11.5 s with one forward per response (benchmarks/audit_scorer.py)."""

@@ -5,7 +5,7 @@ behind the engine calls, rollout/vllm/turns.py). The driver splits the prompts, 
 (prompt, sample) order and merges the metrics.
 
 On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers
-gives the very trajectories one engine gives (tests/test_agent_cluster.py)."""
+gives the very trajectories one engine gives (tests/agent/test_agent_cluster.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Given that prefix, P(p(x) < eps) = sum of p(x) over the tokens x with p(x) < eps
 An arm emits at most N = prompts * n * max_tokens tokens per temperature, so by the tower rule the expected number
 of emitted tokens with p < eps is below N * V * eps, and P(any) <= N * V * eps. With eps = a / (N * V) a lossless
 engine fails this test with probability at most a; the audit runs it at its Bonferroni share a = alpha / tests.
-(SmolLM2, 4 prompts x 64 x 64 tokens, V = 49,152, a = 0.01 / 12: log eps = -27.6; tests/test_audit.py: -16.8.)
+(SmolLM2, 4 prompts x 64 x 64 tokens, V = 49,152, a = 0.01 / 12: log eps = -27.6; tests/speculative/test_audit.py: -16.8.)
 
 The logprob check: where the engine reports each token's logprob (the trainer's importance weights use them), the
 largest |reported - target| must stay within `logprob_tol`, a bound on arithmetic noise (two fp32 implementations

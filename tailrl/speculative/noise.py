@@ -128,7 +128,7 @@ def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     a lower bound of the winner's) only if logp[v] >= logp[a] + G(key, a) - GUMBEL_MAX. Noise is computed for
     those candidates alone (a few dozen at the temperatures RL samples at, against a vocabulary of ~50k), with
     the same float32 sums as the full argmax, and ties go to the lowest index as in torch.argmax: the tokens are
-    the full computation's, bit for bit (tests/test_sampler.py), at a fraction of its cost, which otherwise
+    the full computation's, bit for bit (tests/engine/test_sampler.py), at a fraction of its cost, which otherwise
     grows with every verified draft row."""
     x = logp.float()
     N, V = x.shape

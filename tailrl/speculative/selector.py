@@ -22,7 +22,7 @@ price is wrong is measurement of the arm not chosen: per bucket, a **probe** run
 speculating, the best drafter arm while decoding plainly) every `interval` steps of the bucket; the interval
 starts at PROBE_MIN and doubles up to PROBE_MAX each time the choice survives a probe, and falls back to PROBE_MIN
 when the choice flips. So where drafts never pay, speculation costs at most 1 step in PROBE_MAX once measured, and
-where the prior is wrong either way the measured steps correct T within a few probes (tests/test_selector.py: a
+where the prior is wrong either way the measured steps correct T within a few probes (tests/speculative/test_selector.py: a
 fake clock). The same model prices the tail (deep drafts where a pass streams the weights whatever its few rows)
 and the body (draft rows that open a new product call cost a weight stream). `decision` holds why the last step
 chose what it chose (predicted tokens / s of the arm and of OFF): the step records and the metrics carry it."""

@@ -7,7 +7,7 @@ Invariants:
   sees how the forward was cut up.
 - The samples of one prompt share one copy of it in the forward (packing.py), rows are packed without padding
   through every matrix product, and only response positions reach the LM head: the result equals one padded
-  full-logits forward over the whole batch (tests/test_update.py, tests/test_packing.py) within float rounding.
+  full-logits forward over the whole batch (tests/rl/test_update.py, tests/rl/test_packing.py) within float rounding.
 - Under `autocast` the body's matrix products run in bf16 over fp32 master weights (torch.autocast) and the head
   matmul in bf16; softmax, logsumexp and everything after are fp32."""
 

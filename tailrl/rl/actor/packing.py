@@ -7,7 +7,7 @@ causally, and each member's response runs as its own row whose attention reads t
 continue from the prompt's end, as in its own sequence. The prompt's last hidden row predicts every member's first
 token; a response's rows predict the rest (a response's last token is never an input). So each member's token
 logprobs are those of its own sequence, and the gradient reaching the shared prompt rows is the sum of the members'
-gradients: the same computation in another summation order (tests/test_packing.py). With responses of about the
+gradients: the same computation in another summation order (tests/rl/test_packing.py). With responses of about the
 prompt's length and groups of 8, a step computes about half the tokens; the attention reads each response's own
 rows and its prompt, never another response (a single row with a block mask would spend most of it on masked
 pairs).

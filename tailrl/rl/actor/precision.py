@@ -82,7 +82,7 @@ def make_adamw(params, **kwargs) -> torch.optim.AdamW:
     each tensor instead of a dozen elementwise ops. On this CPU a step over SmolLM2-135M's fp32 master takes 0.075 s
     fused against 0.52 s with the default (foreach) kernels (benchmarks/optimizer.py, in git at dc02aa5), and the
     default update takes 4 steps per RL step. The same algorithm; results differ from the foreach kernels by float
-    rounding (tests/test_update.py)."""
+    rounding (tests/rl/test_update.py)."""
     params = list(params)
     if all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params):
         try:

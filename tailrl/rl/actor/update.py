@@ -13,7 +13,7 @@ Invariants:
   truncated importance weight min(exp(old - rollout), cap), detached (verl's TIS for vLLM rollouts).
 - Sequences with advantage exactly 0 are not computed (`update_plan`) while no KL term needs them: the mini-batch
   partition, the loss normalisers and the number of AdamW steps are those of the full computation, so the
-  weights after the update are the same up to float summation order (tests/test_update.py)."""
+  weights after the update are the same up to float summation order (tests/rl/test_update.py)."""
 
 from __future__ import annotations
 
