@@ -6,7 +6,6 @@ learned drafter are exact in distribution, not token for token, as drafts carry 
 import dataclasses
 
 import pytest
-import ray
 import torch
 
 from tailrl.cluster.config import ClusterConfig
@@ -20,14 +19,8 @@ from tailrl.rollout.ray_worker import head_state, merge_heads
 from tailrl.speculative.config import SpecConfig
 from tailrl.model.tiny import make_tiny_chat_model
 
-pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+# the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray; a local Ray cluster per module (conftest.py)
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def test_idle_workers_train_the_drafter_and_the_rollout_stays_exact(tmp_path):

@@ -6,20 +6,13 @@ import subprocess
 import sys
 
 import pytest
-import ray
 
 from tailrl.rl.run import train
 from tailrl.model.tiny import make_tiny_chat_model
 from tests.rl_helpers import tiny_cfg, write_task
 
-pytestmark = pytest.mark.slow  # the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+# the fast tier (pytest -m 'not slow') leaves out runs, processes and Ray; a local Ray cluster per module (conftest.py)
+pytestmark = [pytest.mark.usefixtures("local_ray"), pytest.mark.slow]
 
 
 def rows(out) -> list[dict]:
