@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .config import SpecConfig
 from .draft_cost import DraftCost
@@ -48,8 +49,7 @@ EXPLORE_SHARE, CREDIT_STEPS = 0.01, 200
 GUARD_STEPS, GUARD_HALF_LIFE = 3.0, 8.0
 
 
-@dataclass(frozen=True)
-class Arm:
+class Arm(NamedTuple):  # a tuple: the selector's tables are keyed by arm, and a tuple hashes in C
     drafter: str  # "" = off
     budget: int = 0
 
@@ -71,6 +71,10 @@ class Decision:
     probe: bool = False
     weight: float = 1.0  # steps of its kind the step stands for (a probe: the steps since the last one)
     worth: float = 1.0  # what an accepted token was worth (Selector.worth)
+    far: bool = False  # decoding plainly, the best drafter arm predicted below `Selector.far` of OFF or vetoed
+
+    def __post_init__(self):
+        self.far = self.far and self.arm == OFF
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Selector:
         self.guard: dict[int, Rate] = {}  # bucket -> measured speedup of its speculative steps (GUARD_STEPS)
         self.decision = Decision()
         self.rng = random.Random(cfg.seed)
+        self._memo: tuple[list[int], dict] | None = None  # (contexts, arm -> step_s) while `choose` runs
 
     # ---- pricing ----------------------------------------------------------------------------------------------
 
@@ -164,7 +169,15 @@ class Selector:
 
     def step_s(self, arm: Arm, contexts: list[int]) -> float | None:
         """Predicted seconds of a step of the arm over these sequences, drafting included (an arm never measured:
-        its full budget)."""
+        its full budget). Within `choose` each arm is priced once (`_memo`)."""
+        memo = self._memo
+        if memo is not None and memo[0] is contexts:
+            if arm not in memo[1]:
+                memo[1][arm] = self._step_s(arm, contexts)
+            return memo[1][arm]
+        return self._step_s(arm, contexts)
+
+    def _step_s(self, arm: Arm, contexts: list[int]) -> float | None:
         if arm == OFF:
             return self.plain_step_s(contexts)
         est = self.acceptance(arm)
@@ -204,6 +217,13 @@ class Selector:
         ranked by goodput at what their tokens are worth to the rollout's end; the decision reports the arm's
         and OFF's plain predicted tokens / s."""
         contexts = list(contexts) if contexts is not None else [1] * B
+        self._memo = (contexts, {})
+        try:
+            return self._choose(B, contexts, factors, remaining, queued)
+        finally:
+            self._memo = None
+
+    def _choose(self, B: int, contexts: list[int], factors, remaining, queued: bool) -> Arm:
         mean = sum(factors) / B if factors is not None and len(factors) == B and B else 1.0
         if len(self.arms) == 1:
             self.decision = Decision(self.arms[0], self.goodput(self.arms[0], contexts, mean))
@@ -233,12 +253,12 @@ class Selector:
         # a probe of an arm predicted far below plain decoding waits PROBE_MAX steps: it mostly costs
         chosen = best if want_spec else OFF
         other = self._probe_arm(B, best, peek=True) if want_spec else best
-        probe = self._probe(B, want_spec, far=not want_spec and scores[best] < self.far * off,
-                            regret=self._regret(other, chosen, scores, contexts))
+        far = not want_spec and scores[best] < self.far * off
+        probe = self._probe(B, want_spec, far=far, regret=self._regret(other, chosen, scores, contexts))
         arm = (self._probe_arm(B, best) if want_spec else best) if probe else chosen
         predicted = self.goodput(arm, contexts, mean) if arm != OFF and scores[arm] != float("inf") else scores[arm]
         self.decision = Decision(arm, predicted, off, probe, self.probes[batch_bucket(B)].interval / 2 if probe else 1.0,
-                                 worth)
+                                 worth, far or self.vetoed(B))
         return arm
 
     def vetoed(self, B: int) -> bool:

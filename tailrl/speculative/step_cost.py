@@ -34,6 +34,11 @@ NF = 8  # features: 1, B, K, P - 1 | [drafts], D, P - P_plain, A
 PLAIN = slice(0, 4)
 NONNEG = (2, 3, 4, 5, 6, 7)  # prices that cannot be negative (noise may fit them so)
 SURPRISE = 0.25  # a step this far off its bucket's prediction discounts what the bucket measured before
+# when a fit is solved again: once steps worth FRESH of what it holds were added since its last solve, or at once
+# after a step its bucket's fit missed by more than AGREE (a new shape, a moved price). Steps that add a few
+# percent to many agreeing ones move the least-squares solution by a few percent of their residuals; solving every
+# fit after every step (4-12 small solves) was most of the selector's work on a plain step (RESULTS 25)
+FRESH, AGREE = 0.1, 0.1
 
 
 def batch_bucket(B: int) -> int:
@@ -155,13 +160,15 @@ class StepTime:
         self.all = _Sums()
         self.buckets: dict[int, _Sums] = {}
         self._w: dict[int | None, np.ndarray | None] = {}
+        self._fresh: dict[int | None, float] = {}  # per fit (None: pooled), step weight added since it was solved
+        self.solves = 0  # times the pooled fit was solved
 
     def record(self, shape: Shape, seconds: float, weight: float = 1.0) -> None:
         """A measured step, standing for `weight` steps of its kind (a probe stands for the steps since the last
         one: the selector's probes are rare by design, and without it a bucket's many steps of the chosen arm
         outvote what they measure). One that the bucket's fit misses by more than SURPRISE (its price moved:
         another load on the machine, a fit from steps of other shapes) halves what was measured before it, so a
-        few such steps re-price it whatever it had learned."""
+        few such steps re-price it whatever it had learned. The fits are solved again lazily (FRESH, AGREE)."""
         x = shape.features()
         bucket = self.buckets.setdefault(batch_bucket(shape.seqs), _Sums())
         before = self.seconds(shape) if bucket.n > 0 else None
@@ -170,13 +177,23 @@ class StepTime:
             self.all.halve()
         self.all.add(x, seconds, self.decay, weight)
         bucket.add(x, seconds, self.decay, weight)
+        b = batch_bucket(shape.seqs)
+        for key in (None, b):
+            self._fresh[key] = self._fresh.get(key, 0.0) + weight
+        if before is None or abs(seconds - before) > AGREE * before or self._fresh[None] > FRESH * self.all.n:
+            self._refit()
+        elif self._fresh[b] > FRESH * bucket.n:
+            self._w.pop(b, None)
+
+    def _refit(self) -> None:
+        """Every fit is solved again when next asked."""
         self._w.clear()
 
     def end_rollout(self) -> None:
         """What was measured counts half from here on: the weights, the contexts and the machine's load move."""
         for s in [self.all, *self.buckets.values()]:
             s.halve()
-        self._w.clear()
+        self._refit()
 
     def measured(self, B: int) -> bool:
         """Whether steps of this batch size's bucket were measured (before: the pooled fit stands in)."""
@@ -192,6 +209,7 @@ class StepTime:
         bucket = batch_bucket(B)
         if bucket not in self._w:
             self._w[bucket] = self._solve_bucket(bucket)
+            self._fresh[bucket] = 0.0
         return self._w[bucket]
 
     def _scale(self) -> np.ndarray:
@@ -210,6 +228,8 @@ class StepTime:
                 for _ in range(2):  # the draft terms' prior: a row, a weight stream, a key read as a plain step's
                     w = _ridge_solve(self.all.xx, self.all.xy, lam, _row_prior(w))
                 self._w[None] = w
+                self._fresh[None] = 0.0
+                self.solves += 1
         return self._w[None]
 
     def _solve_bucket(self, bucket: int) -> np.ndarray | None:
