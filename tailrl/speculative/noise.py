@@ -120,6 +120,25 @@ def _full_argmax(x: torch.Tensor, keys: torch.Tensor, rows: int = 32) -> torch.T
                       for i in range(0, len(x), rows)]) if len(x) else x.argmax(-1)
 
 
+def row_top(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, the first index attaining it) per row of x [N, V] (a row with a NaN: its index is not defined here),
+    as `x.max(-1)`, which on a CPU took 25x the
+    time of `amax` (1.3 ms of a 32-row step's 5 ms of sampling over 49k tokens): the maxima of blocks of the row,
+    then the first block holding the row's maximum searched alone."""
+    N, V = x.shape
+    blk = 1024
+    while blk >= 64 and V % blk:
+        blk //= 2
+    if blk < 64 or V < 4 * blk or not x.is_contiguous():
+        return x.max(-1)
+    blocks = x.view(N, V // blk, blk)
+    peaks = blocks.amax(-1)
+    top = peaks.amax(-1)
+    j = (peaks == top[:, None]).to(torch.uint8).argmax(-1)  # argmax of a 0/1 row: its first 1
+    rows = torch.arange(N, device=x.device)
+    return top, j * blk + blocks[rows, j].argmax(-1)
+
+
 def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One token per row of log-probabilities [N, V] (-inf = excluded) with the rows' keyed Gumbel noise:
     argmax over v of logp[v] + G(key, v), computed exactly without the noise of the whole vocabulary.
@@ -134,8 +153,10 @@ def gumbel_argmax(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     N, V = x.shape
     if x.is_cuda:  # the device computes the whole vocabulary's noise in a few kernels; pruning would wait for it
         return (x + gumbel(keys, V)).argmax(-1) if N else x.argmax(-1)
-    top, a = x.max(-1)
-    if N == 0 or not bool(torch.isfinite(top).all()):
+    if N == 0:
+        return x.argmax(-1)
+    top, a = row_top(x)
+    if not bool(torch.isfinite(top).all()):
         return _full_argmax(x, keys)  # NaN rows: whatever the full computation says
     keys = keys.to(torch.int32)
     bound = top + gumbel_at(keys, a) - GUMBEL_MAX

@@ -122,3 +122,24 @@ def test_a_row_without_top_p_is_not_cut_beside_rows_with_it():
     assert torch.isfinite(mixed[1::2]).all()
     assert torch.equal(mixed[1::2], alone)
     assert torch.isinf(mixed[0::2]).any()  # the top-p rows are still cut
+
+
+@pytest.mark.parametrize("V", [49152, 151936, 1000, 300])
+def test_row_top_is_max_with_the_first_index(V):
+    """row_top (blocks' maxima, then the first block holding the row's maximum) returns what x.max(-1) returns:
+    the maximum and its first index, with ties inside a block, across blocks and in the last element."""
+    from tailrl.speculative.noise import row_top
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, V, generator=g)
+    x[1, [5, V - 3]] = 9.0  # a tie across blocks: the first wins
+    x[2, [V // 2, V // 2 + 1]] = 9.0  # a tie inside a block
+    x[3, -1] = 9.0
+    x[4] = 0.0  # a flat row: index 0
+    x[5, :] = float("-inf")
+    x[5, V - 7] = -1.0
+    top, idx = row_top(x)
+    ref_top, ref_idx = x.max(-1)
+    assert torch.equal(top, ref_top) and torch.equal(idx, ref_idx)
+    top, idx = row_top(x[:, : V - 1])  # a view that is not contiguous
+    assert torch.equal(idx, x[:, : V - 1].max(-1)[1])
