@@ -80,6 +80,16 @@ class ClusterRollout:
             raise RuntimeError("rollout workers failed: " + "; ".join(f"{w}: {why}" for w, why in failed.items()))
         return done
 
+    def call_each(self, method: str, args: dict[int, tuple]) -> tuple[dict[int, object], dict[int, str]]:
+        """worker.method(*args[w]) on each worker w at once: (results, failures by worker); a failed worker is dead
+        until `revive` (the next rollout's start), and the caller re-runs its work."""
+        calls = {w: self.pool.submit(w, method, *a) for w, a in args.items()}
+        return self.pool.gather(calls, self.cfg.step_timeout_s)
+
+    def live(self) -> list[int]:
+        """The workers running now (RuntimeError when none is)."""
+        return self._live()
+
     @property
     def num_workers(self) -> int:
         return len(self._live())
@@ -107,7 +117,7 @@ class ClusterRollout:
     def start(self, prompts: list, sampling=None, tasks=None, before_new=None) -> None:
         """A rollout of `prompts` (their n samples each, keys (prompt, sample)); before_new(): what goes to the
         workers ahead of them (partial rollouts' carried sequences, cluster/partial.py)."""
-        self._revive()
+        self.revive()
         sampling = sampling or SamplingParams()
         params = list(sampling) if isinstance(sampling, list) else [sampling] * len(prompts)
         # a request without a seed gets one here, so that a re-run or a migrated sample draws the same noise
@@ -210,7 +220,7 @@ class ClusterRollout:
             raise RuntimeError("every rollout worker has failed")
         return live
 
-    def _revive(self) -> None:
+    def revive(self) -> None:
         """Workers that died in the last step come back with the current weights (and no history)."""
         for w in sorted(self.pool.dead):
             self.pool.restart(w)

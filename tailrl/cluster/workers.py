@@ -84,6 +84,7 @@ class RolloutWorker:
         self.reported: dict[int, int] = {}  # running sequence id -> tokens already reported
         self.records: list = []  # this rollout's StepRecords (summed by the driver)
         self.busy_s = 0.0
+        self.held = None  # run_held's state between calls
 
     def ping(self) -> int:
         return self.index
@@ -144,6 +145,13 @@ class RolloutWorker:
         its module, never named by string): work the layers above drive themselves (rollout/remote.py: the turn
         loop, tools and all, for the trajectories placed here)."""
         return fn(self.engine, *args)
+
+    def run_held(self, fn, *args):
+        """fn(engine, held, *args) -> (held, result), for work the driver spreads over several calls: `held` is what
+        it keeps on this worker between them (rollout/remote_partial.py: a partial rollout's trajectories in flight,
+        their turn loop and tool pool); a restarted worker holds nothing. Returns the result."""
+        self.held, out = fn(self.engine, self.held, *args)
+        return out
 
     def export(self, ids: list[int]) -> list:
         with torch.inference_mode():  # removing a running sequence moves KV rows of the engine's cache

@@ -85,8 +85,8 @@ class RolloutCfg:
     # unfinished responses into the next step, where they continue under the new weights. Every token keeps the
     # logprob and the policy version that drew it; the update weighs it by truncated importance sampling
     # (algo.tis_cap, 2 when left at 0). With agent.tools a trajectory is carried mid-turn or after a call's
-    # observation (rollout/tool_partial.py). Our engine only (in process or Ray workers; with tools in process),
-    # not backend=vllm
+    # observation (rollout/tool_partial.py; on Ray workers rollout/remote_partial.py). Our engine only (in process
+    # or Ray workers), not backend=vllm
     partial: bool = False
     partial_oversample: float = 2.0  # groups kept in flight per group the step needs (carried ones count)
     # a response whose oldest token would be trained more than this many policy versions late is restarted
@@ -255,7 +255,7 @@ class Config:
             (not (self.rollout.partial and self.rollout.backend == "vllm"), "rollout.partial",
              "false with rollout.backend=vllm (vLLM's offline engine cannot hand back a running sequence to continue "
              "under new weights, nor a tool trajectory's turn; partial rollouts run on our engine, in process or on "
-             "Ray workers, and with agent.tools in process)"),
+             "Ray workers, with agent.tools or not)"),
         ]
         problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
         if why := next((p for p in problems if p), None):

@@ -24,7 +24,7 @@ from ..engine.tail import tail_metrics
 from .base import make_requests, requests_of
 from .ray_cluster import cluster_rollout, make_cluster
 from .ray_worker import head_state, merge_heads
-from .turns import TurnLoop
+from .turns import TurnLoop, seq_lens
 from .weights import push_weights
 
 
@@ -167,6 +167,8 @@ class EngineRollout:
         With agent.tools the responses are trajectories (rollout/tool_partial.py): messages[label] is each prompt's
         chat conversation, the clock counts the model's tokens, and the rollout cuts its trajectories where done
         (a Horizon) stops: done.limit(key)."""
+        if self.cluster is not None and self.agent is not None:
+            return self._cluster_tool_partial(prompts, params, labels, states, done, weights, messages)
         if self.cluster is not None:
             return self._cluster_partial(prompts, params, labels, states, done, weights)
         if self.agent is None:
@@ -176,7 +178,7 @@ class EngineRollout:
         reqs = requests_of(prompts, params, [messages[i] for i in labels], labels)
 
         def running():  # (label, sample, drawn tokens so far) of every unfinished trajectory
-            return self.agent.running(self._lens())
+            return self.agent.running(seq_lens(self.engine))
 
         out = self._run(reqs, step, last_step_s, lambda fin: done(fin, running), states,
                         messages=[messages[st.prompt_index] for st in states], limit=getattr(done, "limit", None))
@@ -204,6 +206,22 @@ class EngineRollout:
         metrics.update({"timing_s/sync": sync_s, "timing_s/cluster_rollout": time.perf_counter() - t})
         self._metrics = {**self._rollout_metrics(comps.stats), **metrics}
         return [relabel(x) for x in comps], [relabel(x) for x in left], [(slot_label[i], j) for i, j in lost]
+
+    def _cluster_tool_partial(self, prompts, params, labels, states, done, weights, messages):
+        """The partial rollout with tools on Ray workers (remote_partial.py): this step's weights first (a worker
+        that failed in the last step comes back with them), then the driver's rounds until `done` stops it."""
+        from .remote_partial import cluster_tool_partial
+
+        t = time.perf_counter()
+        c = self.cluster
+        sync_s = c.sync_weights(weights()) if weights is not None else 0.0
+        c.revive()
+        reqs = requests_of(prompts, params, [messages[i] for i in labels], labels)
+        comps, left, lost, metrics = cluster_tool_partial(c, self.cfg.agent, reqs, states, messages, done)
+        self.engine.last_stats = comps.stats
+        self._metrics = {**self._rollout_metrics(comps.stats), **metrics, "timing_s/sync": sync_s,
+                         "timing_s/cluster_rollout": time.perf_counter() - t}
+        return comps, left, lost
 
     def start_state(self, label: int, j: int, prompt_ids: list[int], params: SamplingParams, seed: int):
         """A response not yet begun, as a state this engine continues (its stop tokens and context limit applied as
@@ -241,10 +259,6 @@ class EngineRollout:
     def _unfinished(self) -> list[tuple[int, int, int]]:
         """(label, sample, tokens so far) of the engine's running and waiting sequences."""
         return [(s.prompt_index, s.sample_index, len(s.output_ids)) for s in self._seqs()]
-
-    def _lens(self) -> dict[int, int]:
-        """Tokens so far of the engine's running and waiting sequences, by id (a trajectory's current turn)."""
-        return {s.seq_id: len(s.output_ids) for s in self._seqs()}
 
     def _seqs(self) -> list:
         sched = self.engine.scheduler

@@ -33,34 +33,41 @@ def split(n: int, workers: int) -> list[list[int]]:
 def cluster_agent_rollout(cluster, cfg: AgentConfig, requests: list[Request]):
     """(completions in (prompt, sample) order with merged stats, merged agent metrics) over the cluster's workers:
     each worker is handed its share of the requests as they were built (base.make_requests)."""
-    from ..engine.stats import Completions, GenerateStats
+    from ..engine.stats import Completions
 
     parts = [p for p in split(len(requests), cluster.num_workers) if p]
     args = {w: (cfg, [requests[i] for i in idx]) for w, idx in enumerate(parts)}
     done = cluster.run_each(worker_rollout, args)  # the function itself travels (by reference), not its name
-    by_prompt, metrics, stats, weights = {}, {}, [], []
+    by_prompt = {}
     for w, idx in enumerate(parts):
-        comps, m, st = done[w]
-        for c in comps:
+        for c in done[w][0]:
             c.prompt_index = idx[c.prompt_index]
             by_prompt.setdefault(c.prompt_index, []).append(c)
-        n = len(comps)
-        for k, v in m.items():  # per-trajectory means weigh by trajectories; counts and seconds add
-            metrics[k] = metrics.get(k, 0.0) + (v * n if _is_mean(k) else v)
-        weights.append(n)
-        stats.append(st)
-    total = max(sum(weights), 1)
-    metrics = {k: (v / total if _is_mean(k) else v) for k, v in metrics.items()}
     out = Completions(c for i in range(len(requests)) for c in sorted(by_prompt.get(i, []), key=lambda c: c.sample_index))
-    masks = [c.response_mask for c in out if c.response_mask is not None]
+    metrics, out.stats = merge_parts([done[w] for w in range(len(parts))])
+    return out, metrics
+
+
+def merge_parts(parts: list[tuple[list, dict, object]]) -> tuple[dict, object]:
+    """(agent metrics, GenerateStats) merged over the workers' (completions, agent metrics, stats): per-trajectory
+    means weigh by each worker's trajectories (the completions its metrics are over), counts and seconds add."""
+    from ..engine.stats import GenerateStats
+
+    metrics, total = {}, 0
+    for comps, m, _ in parts:
+        n = len(comps)
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + (v * n if _is_mean(k) else v)
+        total += n
+    metrics = {k: (v / max(total, 1) if _is_mean(k) else v) for k, v in metrics.items()}
+    masks = [c.response_mask for comps, _, _ in parts for c in comps if c.response_mask is not None]
     if masks:  # a share of tokens, not of trajectories: counted over every worker's tokens at once
         metrics["agent/masked_share"] = sum(len(m) - sum(m) for m in masks) / max(sum(len(m) for m in masks), 1)
     merged = GenerateStats()
-    for st in stats:
+    for _, _, st in parts:
         merged.merge(st)
-    merged.total_s = max((st.total_s for st in stats), default=0.0)  # the workers ran at once
-    out.stats = merged
-    return out, metrics
+    merged.total_s = max((st.total_s for _, _, st in parts), default=0.0)  # the workers ran at once
+    return metrics, merged
 
 
 def _is_mean(key: str) -> bool:

@@ -10,9 +10,10 @@ Invariants:
   draws on from the next position, keyed by (turn seed, position) as the uninterrupted turn would (the single-turn
   path's export/import: recomputed, no K/V travels); at a tool call, the trajectory is carried with the call's
   observation appended and resumes at its next turn. The call ran in the rollout that drew it: a rollout that
-  stops waits for the calls still running (ToolTurns.stop). So a call runs exactly once (a tool with side effects
-  or a cost is never called twice), nothing pending has to go into a checkpoint, and whether a trajectory ends at
-  its call (no room left for the observation) is decided before the cut, whatever the tool's timing;
+  stops waits for the calls still running (ToolTurns.stop). So a call drawn within the horizon runs exactly once (a
+  tool with side effects or a cost is never called twice for it; one drawn past it goes with the tokens the cut
+  drops, and is drawn again at the resume), nothing pending has to go into a checkpoint, and whether a trajectory
+  ends at its call (no room left for the observation) is decided before the cut, whatever the tool's timing;
 - every token of a carried trajectory keeps its logprob and, in the buffer, the version of the rollout that drew
   (or, for an observation, appended) it; the update's mask keeps observation tokens out of the loss and the
   staleness metrics (partial.staleness)."""

@@ -139,15 +139,15 @@ class ToolTurns:
         for tr in self.trajs:
             tr.t_done = tr.t_done if tr.finish_reason is not None else now
 
-    def carry_out(self, limit) -> tuple[list[Completion], list]:
-        """After `stop`: (the trajectories that finished within the horizon, as Completions; the rest as carried
-        states cut at it). limit(label, sample) -> the drawn tokens that trajectory keeps (None: all; rollout/
-        partial.py's Horizon.limit)."""
+    def carry_out(self, limit) -> tuple[list[tuple[Trajectory, Completion]], list]:
+        """After `stop`: (the trajectories that finished within the horizon, each with its Completion; the rest as
+        carried states cut at it). limit(label, sample) -> the drawn tokens that trajectory keeps (None: all;
+        rollout/partial.py's Horizon.limit)."""
         done, left = [], []
         for tr, origin in zip(self.trajs, self.origins):
             n = limit((tr.prompt_index, tr.sample_index)) if limit is not None else None
             if tr.finish_reason is not None and (n is None or tr.drawn <= n):
-                done.append(self._completion(tr))
+                done.append((tr, self._completion(tr)))
                 continue
             cur = self.current.get(id(tr))
             st = carried(origin, tr, cur.output_ids if cur else (), cur.logprobs if cur else ())
@@ -186,15 +186,16 @@ class ToolTurns:
             engine.drop_kept([c.seq_id, p.resume])
         return self._completion(tr)
 
-    def result(self, stats, t0: float, kept_tokens: int) -> tuple[Completions, dict]:
-        """(one Completion per trajectory in (prompt, sample) order, the agent/* metrics: over the trajectories that
-        ended, when a partial rollout carries others); kept_tokens: positions the run's resumed turns did not
-        prefill."""
+    def result(self, stats, t0: float, kept_tokens: int, ended: list | None = None) -> tuple[Completions, dict]:
+        """(one Completion per trajectory in (prompt, sample) order, the agent/* metrics); kept_tokens: positions
+        the run's resumed turns did not prefill. ended: a partial rollout's trajectories that finished within its
+        horizon, which the metrics are over (so they do not depend on how far past it the rollout ran, nor count a
+        trajectory carried now and ended again later)."""
         trajs = self.trajs
         comps = Completions(self._completion(tr) for tr in trajs)
         comps.stats = stats
         self.last = trajs
-        metrics = self._metrics([tr for tr in trajs if tr.finish_reason is not None] or trajs, t0, stats.total_s)
+        metrics = self._metrics(ended if ended is not None else trajs, t0, stats.total_s)
         metrics["agent/kv_kept_tokens"] = kept_tokens / max(len(trajs), 1) if self.cfg.keep_kv else 0.0
         return comps, metrics
 

@@ -16,6 +16,7 @@ are carried mid-turn or after a call's observation (rollout/tool_partial.py)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..config.agent import AgentConfig
@@ -30,6 +31,20 @@ class TurnsOut(NamedTuple):
     records: list  # the engine's step records (the tail's metrics, engine/tail.py)
     metrics: dict  # agent/* with tools, else {}
     left: list  # the states exported when done said stop (partial rollouts), else []
+
+
+@dataclass
+class TurnRun:
+    """One run of the loop between its calls (`start`, `advance`, `finish`): a Ray worker drives its share of a
+    partial rollout in rounds through these (rollout/remote_partial.py), `run` in one go."""
+
+    engine: StepEngine
+    col: object  # the engine's Collector of the run's stats
+    t0: float
+    kept0: int  # the engine's kept_tokens when the run began
+    records: list = field(default_factory=list)
+    left: list = field(default_factory=list)  # single-turn: the states exported at the stop
+    stopped: bool = False
 
 
 class TurnLoop:
@@ -59,59 +74,103 @@ class TurnLoop:
         flight has ended and every tool has answered. With tools, done is told of trajectories as they end, states
         are carried trajectories (rollout/tool_partial.py) whose prompts' chat messages are `messages`, and once
         done says stop each trajectory keeps limit((label, sample)) drawn tokens (None: all; Horizon.limit)."""
-        t0 = time.perf_counter()
-        tt = self.turns
-        kept0 = engine.kept_tokens
+        run = self.start(engine, requests, states, messages)
+        self.advance(run, on_step, done, lock_step)
+        return self.finish(run, done is not None, limit)
+
+    def start(self, engine: StepEngine, requests: list[Request], states: list | None = None,
+              messages: list | None = None) -> TurnRun:
+        """A run begins: `states` continue (re-enter) first, then the requests' turn 0 goes in."""
+        run = TurnRun(engine, None, time.perf_counter(), engine.kept_tokens)
+        if self.turns is not None:
+            self.turns.reset()
+        run.col = engine.collector(self.add(run, requests, states, messages))
+        return run
+
+    def add(self, run: TurnRun, requests: list[Request], states: list | None = None,
+            messages: list | None = None) -> list[int]:
+        """More work for a run under way (a failed Ray worker's trajectories, re-run here): as `start` takes them.
+        Returns their sequence ids."""
+        engine, tt = run.engine, self.turns
         params = [q.params for q in requests]
         if tt is not None:
             params = tt.first_params(params)
-            tt.reset()
             ids = tt.carry_in(engine, list(states or []), list(messages or []))
         else:
             ids = engine.import_(list(states)) if states is not None else []
         labels = None if all(q.label is None for q in requests) else \
             [i if q.label is None else q.label for i, q in enumerate(requests)]
         new = engine.add_requests([q.ids for q in requests], params, labels)
-        col = engine.collector(ids + new)
         if tt is not None:
-            tt.begin(requests, params, new, t0)
-        records, left, stopped = [], [], False
-        while engine.has_work() or (tt is not None and tt.pending):
+            tt.begin(requests, params, new, run.t0)
+        return ids + new
+
+    def has_work(self, run: TurnRun) -> bool:
+        return not run.stopped and (run.engine.has_work() or (self.turns is not None and bool(self.turns.pending)))
+
+    def advance(self, run: TurnRun, on_step=None, done=None, lock_step: bool = False, steps: int | None = None,
+                seconds: float | None = None) -> list:
+        """Steps the loop until done(finished) says stop, no work is left, or (a worker's round) `steps` engine
+        steps or `seconds` have passed. Returns the trajectories (Completions) that ended meanwhile (tools only)."""
+        engine, tt = run.engine, self.turns
+        ended_all, n, t = [], 0, time.perf_counter()
+        while self.has_work(run):
+            if (steps is not None and n >= steps) or (seconds is not None and time.perf_counter() - t >= seconds):
+                break
             if tt is not None and tt.pending:
                 ended = tt.resume_ready(engine, lock_step)
+                ended_all += ended
                 if ended and done is not None and done(ended):
-                    stopped = True
+                    run.stopped = True
                     break
             if not engine.has_work():
                 if tt is not None:
                     tt.wait(lock_step)
                 continue
             out = engine.step()
-            col.add(out)
-            records.append(out.record)
+            n += 1
+            run.col.add(out)
+            run.records.append(out.record)
             if on_step is not None:
                 on_step(out)
             if tt is not None:
                 ended = [t for t in (tt.end_turn(engine, c) for c in out.finished) if t is not None]
+                ended_all += ended
                 if done is not None and done(ended):
-                    stopped = True
+                    run.stopped = True
                     break
             elif done is not None and done(out.finished):
-                left = engine.export(engine.unfinished_ids())
+                run.left = engine.export(engine.unfinished_ids())
+                run.stopped = True
                 break
+        return ended_all
+
+    def finish(self, run: TurnRun, partial: bool = False, limit=None) -> TurnsOut:
+        """The run's outcome. partial: a partial rollout's (with tools: the trajectories that ended within the
+        horizon, the rest carried, each cut at limit((label, sample)) drawn tokens when the run stopped)."""
+        engine, tt, col = run.engine, self.turns, run.col
         if tt is not None:
-            if stopped:
+            if run.stopped:
                 tt.stop(engine)
-            col.stats.total_s = time.perf_counter() - t0
-            comps, metrics = tt.result(col.stats, t0, engine.kept_tokens - kept0)
-            if done is not None:  # a partial rollout: the trajectories that ended within the horizon, the rest carried
-                fin, left = tt.carry_out(limit if stopped else None)
-                comps = Completions(fin)
-                comps.stats = col.stats
-        elif done is None:
-            comps, metrics = col.result(), {}  # sets the wall time, which tokens_per_s divides by
-        else:  # the finished ones, in the order they finished
-            comps, metrics = Completions(col.done.values()), {}
+            col.stats.total_s = time.perf_counter() - run.t0
+            kept = engine.kept_tokens - run.kept0
+            if not partial:
+                comps, metrics = tt.result(col.stats, run.t0, kept)
+                return TurnsOut(comps, run.records, metrics, [])
+            fin, left = tt.carry_out(limit if run.stopped else None)
+            _, metrics = tt.result(col.stats, run.t0, kept, ended=[tr for tr, _ in fin])
+            comps = Completions(c for _, c in fin)
             comps.stats = col.stats
-            col.stats.total_s = time.perf_counter() - col.t0
-        return TurnsOut(comps, records, metrics, left)
+            return TurnsOut(comps, run.records, metrics, left)
+        if not partial:
+            return TurnsOut(col.result(), run.records, {}, [])  # sets the wall time, which tokens_per_s divides by
+        comps = Completions(col.done.values())  # the finished ones, in the order they finished
+        comps.stats = col.stats
+        col.stats.total_s = time.perf_counter() - col.t0
+        return TurnsOut(comps, run.records, {}, run.left)
+
+
+def seq_lens(engine) -> dict[int, int]:
+    """Tokens so far of our engine's running and waiting sequences, by id (a trajectory's current turn)."""
+    sched = engine.scheduler
+    return {s.seq_id: len(s.output_ids) for s in [*sched.running, *(s for g in sched.waiting for s in g)]}

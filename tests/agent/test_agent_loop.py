@@ -31,18 +31,19 @@ def test_agent_keys_are_validated_and_empty_tools_is_the_single_turn_run():
         load_config(None, ["agent.max_turn=3"])
 
 
-@pytest.mark.parametrize("combo, why", [("rollout.backend=vllm rollout.vllm_spec=tailrl", "proposer"),
-                                        ("rollout.partial=true rollout.workers=2", "not trajectories")])
-def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
-    with pytest.raises(ConfigError, match=why):
-        load_config(None, ["agent.tools=[calculator]", *combo.split()])
-    load_config(None, combo.split())  # without tools the same setting is fine
+def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why():
+    combo = ["rollout.backend=vllm", "rollout.vllm_spec=tailrl"]
+    with pytest.raises(ConfigError, match="proposer"):
+        load_config(None, ["agent.tools=[calculator]", *combo])
+    load_config(None, combo)  # without tools the same setting is fine
     load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])  # in process: tests/agent/test_partial_tools.py
-    if "vllm" in combo:  # vLLM itself runs the turn loop (rollout/vllm/turns.py)
-        load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
-        load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
-        load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
-                           "rollout.workers=2"])  # and vLLM's Ray actors (tests/rollout/vllm_agent_checks.py)
+    # partial rollouts with tools on Ray workers: rollout/remote_partial.py (tests/cluster/test_cluster_tools.py)
+    load_config(None, ["agent.tools=[calculator]", "rollout.partial=true", "rollout.workers=2"])
+    # vLLM itself runs the turn loop (rollout/vllm/turns.py)
+    load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
+    load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
+    load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
+                       "rollout.workers=2"])  # and vLLM's Ray actors (tests/rollout/vllm_agent_checks.py)
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------

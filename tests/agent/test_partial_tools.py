@@ -179,14 +179,14 @@ def test_a_stopped_tool_rollout_carries_its_trajectories_and_they_end_as_the_str
         old / sum(sum(c.response_mask) for c in comps))
 
 
-def test_tools_with_partial_rollouts_refuse_vllm_and_ray_workers_by_name():
+def test_tools_with_partial_rollouts_refuse_vllm_by_name_and_run_on_ray_workers():
     cfg = load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])
     assert cfg.rollout.partial and cfg.agent.enabled
     with pytest.raises(ConfigError, match="rollout.backend=vllm"):
         load_config(None, ["agent.tools=[calculator]", "rollout.partial=true", "rollout.backend=vllm",
                            "rollout.vllm_spec=off"])
-    with pytest.raises(ConfigError, match="rollout.workers"):
-        load_config(None, ["agent.tools=[calculator]", "rollout.partial=true", "rollout.workers=2"])
+    cfg = load_config(None, ["agent.tools=[calculator]", "rollout.partial=true", "rollout.workers=2"])
+    assert cfg.rollout.partial and cfg.rollout.workers == 2  # rollout/remote_partial.py
 
 
 # the tools preset (tool_chain prompts, the calculator, the math reward) on the tiny tool model, small: 3 steps of 2
