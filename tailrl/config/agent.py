@@ -58,10 +58,6 @@ def agent_problem(cfg) -> str | None:
     a, r = cfg.agent, cfg.rollout
     if not a.enabled:
         return None
-    if r.backend == "vllm" and r.vllm_spec == "tailrl":
-        return ("agent.tools with rollout.vllm_spec=tailrl: our history proposer inside vLLM matches requests to the "
-                "step's prompts, and a trajectory's later turns are new requests it does not know; not built yet. "
-                "Use rollout.vllm_spec=off, ngram or suffix, or rollout.backend=tailrl (history drafts across turns)")
     if r.partial and r.workers > 1:
         return ("agent.tools with rollout.partial=true and rollout.workers > 1: the Ray workers' partial rollout "
                 "carries single-turn sequences, not trajectories; not built yet. Use rollout.workers=1 (partial "

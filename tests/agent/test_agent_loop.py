@@ -31,18 +31,19 @@ def test_agent_keys_are_validated_and_empty_tools_is_the_single_turn_run():
         load_config(None, ["agent.max_turn=3"])
 
 
-@pytest.mark.parametrize("combo, why", [("rollout.backend=vllm rollout.vllm_spec=tailrl", "proposer"),
-                                        ("rollout.partial=true rollout.workers=2", "not trajectories")])
-def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why(combo, why):
-    with pytest.raises(ConfigError, match=why):
-        load_config(None, ["agent.tools=[calculator]", *combo.split()])
-    load_config(None, combo.split())  # without tools the same setting is fine
+def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why():
+    combo = ["rollout.partial=true", "rollout.workers=2"]
+    with pytest.raises(ConfigError, match="not trajectories"):
+        load_config(None, ["agent.tools=[calculator]", *combo])
+    load_config(None, combo)  # without tools the same setting is fine
     load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])  # in process: tests/agent/test_partial_tools.py
-    if "vllm" in combo:  # vLLM itself runs the turn loop (rollout/vllm/turns.py)
-        load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
-        load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
-        load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
-                           "rollout.workers=2"])  # and vLLM's Ray actors (tests/rollout/vllm_agent_checks.py)
+    load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
+    # vLLM runs the turn loop itself (rollout/vllm/turns.py), on its Ray actors too, with our proposer inside or not
+    # (tests/rollout/vllm_agent_checks.py, vllm_turns_checks.py)
+    for spec in ("off", "tailrl"):
+        for workers in ("1", "2"):
+            load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", f"rollout.vllm_spec={spec}",
+                               f"rollout.workers={workers}"])
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------
