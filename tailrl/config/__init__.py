@@ -4,12 +4,12 @@ keys.py (dotted keys), values.py (YAML and values), help.py (help and `config sh
 is the way in."""
 
 from .actor import PROJECTIONS, ActorCfg, LoraCfg
-from .agent import AgentConfig, agent_problem
+from .agent import AgentConfig
 from .load import load_config, to_dict, valid_keys
 from .sections import (PARTIAL_TIS_CAP, SYSTEM_PROMPT, AlgoCfg, Config, DataCfg, ModelCfg, RewardCfg, RolloutCfg,
                        TrainerCfg)
 from .values import ConfigError, parse_yaml
 
 __all__ = ["PARTIAL_TIS_CAP", "PROJECTIONS", "SYSTEM_PROMPT", "ActorCfg", "AgentConfig", "AlgoCfg", "Config",
-           "ConfigError", "DataCfg", "LoraCfg", "ModelCfg", "RewardCfg", "RolloutCfg", "TrainerCfg", "agent_problem",
+           "ConfigError", "DataCfg", "LoraCfg", "ModelCfg", "RewardCfg", "RolloutCfg", "TrainerCfg",
            "load_config", "parse_yaml", "to_dict", "valid_keys"]

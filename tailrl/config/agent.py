@@ -1,7 +1,7 @@
 """The `agent` config group: multi-turn tool rollouts (docs/agents.md). Empty `tools` is the single-turn run, unchanged.
 
-Invariant: a config that validates can run: each key is checked here on construction, and `agent_problem` names
-the combinations our code cannot run (and why) before anything is loaded."""
+Invariant: a config that validates can run: each key is checked here on construction (the one combination with tools
+not built, partial rollouts on vLLM, is refused with or without them: config/sections.py)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,3 @@ class AgentConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.tools)
-
-
-def agent_problem(cfg) -> str | None:
-    """Why this run cannot have tools (None when it can): the parts of the system the turn loop does not reach yet."""
-    a, r = cfg.agent, cfg.rollout
-    if not a.enabled:
-        return None
-    if r.backend == "vllm" and r.vllm_spec == "tailrl":
-        return ("agent.tools with rollout.vllm_spec=tailrl: our history proposer inside vLLM matches requests to the "
-                "step's prompts, and a trajectory's later turns are new requests it does not know; not built yet. "
-                "Use rollout.vllm_spec=off, ngram or suffix, or rollout.backend=tailrl (history drafts across turns)")
-    return None

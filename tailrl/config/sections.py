@@ -10,7 +10,7 @@ from ..cluster.config import ClusterConfig
 from ..drafter.config import DrafterConfig
 from ..speculative.config import SpecConfig
 from .actor import ActorCfg
-from .agent import AgentConfig, agent_problem
+from .agent import AgentConfig
 from .values import ConfigError
 
 PARTIAL_TIS_CAP = 2.0  # algo.tis_cap under rollout.partial when left at 0 (verl's TIS default)
@@ -257,7 +257,7 @@ class Config:
              "under new weights, nor a tool trajectory's turn; partial rollouts run on our engine, in process or on "
              "Ray workers, with agent.tools or not)"),
         ]
-        problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok] + [agent_problem(self)]
+        problems = [f"bad value for {key}: must be {what}" for ok, key, what in checks if not ok]
         if why := next((p for p in problems if p), None):
             raise ConfigError(why)
         from ..engine import SamplingParams

@@ -39,11 +39,14 @@ Sampler = Callable[[list, float, int, int, int], list]
 
 class Response(list):
     """A response's token ids (a list, as the distribution tests read it) with the logprobs the engine reported
-    for them under the distribution it sampled from (None where it reports none)."""
+    for them under the distribution it sampled from (None where it reports none) and, for a tool trajectory, its
+    response mask (0: an observation's or template's token, which the engine did not sample and the token test does
+    not score; None: every token sampled)."""
 
-    def __init__(self, tokens, logprobs=None):
+    def __init__(self, tokens, logprobs=None, mask=None):
         super().__init__(tokens)
         self.logprobs = None if logprobs is None else [float(x) for x in logprobs]
+        self.mask = None if mask is None else [int(m) for m in mask]
 
 
 @dataclass

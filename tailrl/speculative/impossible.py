@@ -55,7 +55,8 @@ class TokenCheck:
 def check_tokens(prompts: list[list[int]], responses: list[list[list[int]]], temperature: float,
                  scorer: TargetScorer, max_emitted: int, a: float) -> TokenCheck:
     """Scores each prompt's responses (token id lists; a response with a `logprobs` attribute also has its reported
-    logprobs checked) under the target at `temperature`."""
+    logprobs checked) under the target at `temperature`. A response with a `mask` (a tool trajectory) is scored
+    in full context, its tokens of mask 0 (observations: not sampled) left out of the test."""
     floor = log_floor(max_emitted, scorer.vocab, a)
     scored = impossible = 0
     worst = 0.0
@@ -67,12 +68,17 @@ def check_tokens(prompts: list[list[int]], responses: list[list[list[int]]], tem
         for r, target in zip(rs, scorer.score(prompt, [list(r) for r in rs], temperature)):
             if len(target) != len(r):
                 raise ValueError(f"scorer returned {len(target)} log-probabilities for a response of {len(r)} tokens")
-            scored += len(target)
-            impossible += sum(1 for t in target if not t >= floor)  # -inf and nan count as impossible
-            worst = min(worst, min(target))
+            mask = getattr(r, "mask", None)
+            keep = range(len(r)) if mask is None else [i for i, m in enumerate(mask) if m]
+            sampled = [target[i] for i in keep]
+            if not sampled:
+                continue
+            scored += len(sampled)
+            impossible += sum(1 for t in sampled if not t >= floor)  # -inf and nan count as impossible
+            worst = min(worst, min(sampled))
             reported = getattr(r, "logprobs", None)
             if reported:
-                gaps = [abs(x - t) for x, t in zip(reported, target) if math.isfinite(t)]
+                gaps = [abs(reported[i] - target[i]) for i in keep if math.isfinite(target[i])]
                 if gaps:
                     err = max(err or 0.0, max(gaps))
     return TokenCheck(scored, impossible, worst, floor, err)

@@ -31,19 +31,18 @@ def test_agent_keys_are_validated_and_empty_tools_is_the_single_turn_run():
         load_config(None, ["agent.max_turn=3"])
 
 
-def test_tools_refuse_what_the_turn_loop_does_not_reach_and_say_why():
-    combo = ["rollout.backend=vllm", "rollout.vllm_spec=tailrl"]
-    with pytest.raises(ConfigError, match="proposer"):
-        load_config(None, ["agent.tools=[calculator]", *combo])
-    load_config(None, combo)  # without tools the same setting is fine
+def test_tools_validate_with_every_backend_placement_and_partial_rollouts():
+    """Every combination with tools is built: none is refused (partial rollouts on vLLM are, tools or not)."""
     load_config(None, ["agent.tools=[calculator]", "rollout.partial=true"])  # in process: tests/agent/test_partial_tools.py
     # partial rollouts with tools on Ray workers: rollout/remote_partial.py (tests/cluster/test_cluster_tools.py)
     load_config(None, ["agent.tools=[calculator]", "rollout.partial=true", "rollout.workers=2"])
-    # vLLM itself runs the turn loop (rollout/vllm/turns.py)
-    load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off"])
     load_config(None, ["agent.tools=[calculator]", "rollout.workers=2"])  # our engine's Ray workers run it
-    load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", "rollout.vllm_spec=off",
-                       "rollout.workers=2"])  # and vLLM's Ray actors (tests/rollout/vllm_agent_checks.py)
+    # vLLM runs the turn loop itself (rollout/vllm/turns.py), on its Ray actors too, with our proposer inside or not
+    # (tests/rollout/vllm_agent_checks.py, vllm_turns_checks.py)
+    for spec in ("off", "tailrl"):
+        for workers in ("1", "2"):
+            load_config(None, ["agent.tools=[calculator]", "rollout.backend=vllm", f"rollout.vllm_spec={spec}",
+                               f"rollout.workers={workers}"])
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------

@@ -40,6 +40,16 @@ def test_vllm_agent_checks():
     assert re.search(r"\b2 passed", run.stdout), run.stdout[-2000:]
 
 
+@pytest.mark.slow  # two vLLM engine starts in a process of their own: about two minutes
+@needs_vllm
+def test_vllm_turns_checks():
+    """agent.tools with our proposer inside vLLM: later turns drafted by turn, the audit of tool trajectories."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+                          "tests/rollout/vllm_turns_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert re.search(r"\b2 passed", run.stdout), run.stdout[-2000:]
+
+
 @pytest.mark.slow  # one vLLM engine start: about a minute
 @needs_vllm
 def test_generate_with_backend_vllm_writes_the_same_jsonl_and_summary(tmp_path):

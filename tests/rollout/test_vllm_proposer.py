@@ -87,3 +87,37 @@ def test_repeat_arm_drafts_k_tokens_for_every_row_history_or_not(monkeypatch):
     assert b.call(p, [[7], [9]]) == [[7, 7, 7], [9, 9, 9]]
     assert b.call(p, [[8, 8], []]) == [[8, 8, 8], []]  # a row that emitted nothing this step drafts nothing
     assert p.stats["drafted"] == 9 and not p.pending
+
+
+def test_a_later_turn_drafts_from_that_turn_of_its_prompt_in_the_last_epoch(monkeypatch):
+    """An agent's turn 1 (its prompt: the trajectory's prompt + turn 0 + the observation, pushed with history
+    (prompt, 1) as rollout/vllm/turns.py pushes it) lands in its turn 0's row: it is matched to its own request, not
+    taken for a continuation of turn 0, whose stream keeps turn 0's tokens only. Next epoch, turn 1 of the same prompt
+    after another turn 0 drafts from last epoch's turn 1, and the counters of later turns say so."""
+    p = proposer(monkeypatch)
+    P, obs, turn1 = PROMPTS[0], [60, 61], list(range(30, 40))
+    for epoch, turn0 in enumerate(([20, 21, 22], [25, 26, 27])):
+        if epoch:
+            p.push_prompts([P])  # io.draw and vllm/turns.py push a rollout's prompts again
+        b = Batch([P])
+        for t in turn0:
+            b.call(p, [[t]])
+        stream0 = p.rows[0][:2]
+        T1 = P + turn0 + obs
+        p.push_prompts([T1], [(P, 1)])
+        b.seqs = [list(T1)]  # the finished turn's row, reused by the next turn's request
+        if epoch == 0:
+            for t in turn1:
+                b.call(p, [[t]])
+            assert p.rows[0][0] == tuple(T1)
+            ph0, ph1 = p.prompts[tuple(P)], p.prompts[(tuple(P), 1)]
+            assert ph0.index.streams[stream0[1]] == P[-4:] + turn0  # turn 0's tokens only
+            assert ph1.index.streams[p.rows[0][1]] == P[-4:] + turn1  # turn 1's, after the prompt's tail
+            assert p.end_rollout()["later_drafted"] == 0  # nothing in its history yet
+            continue
+        b.call(p, [[30]])
+        drafts = b.call(p, [[31]])  # two tokens of context: a match in last epoch's turn 1
+        assert drafts[0] and drafts[0] == turn1[2 : 2 + len(drafts[0])]
+        b.call(p, [drafts[0] + [99]])  # every draft accepted, then a bonus token
+        stats = p.end_rollout()
+        assert stats["later_drafted"] >= len(drafts[0]) and stats["later_accepted"] == len(drafts[0])

@@ -106,6 +106,11 @@ def test_the_floor_and_the_count():
     assert c.logprob_err == pytest.approx(1.0)
     with pytest.raises(ValueError, match="max_emitted"):
         log_floor(0, 8, 0.01)
+    # a tool trajectory: its observation tokens (mask 0) are not sampled, so neither scored nor their logprobs checked
+    traj = Response([1, 3, 4], [-0.2, 0.0, -0.3], mask=[1, 0, 1])
+    table[(1, 3, 4)] = [-0.2, -float("inf"), -0.5]
+    c = check_tokens([[0]], [[traj]], 1.0, scorer, 4096, 0.01 / 6)
+    assert (c.scored, c.impossible, c.worst_logp) == (2, 0, -0.5) and c.logprob_err == pytest.approx(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,15 @@ def draw(llm, prompts: list[list[int]], params: dict, proposer: bool) -> tuple[l
     return drawn, llm.collective_rpc(end_rollout)[0] if proposer else None
 
 
+def history_counts(spec: dict, generated: int) -> dict:
+    """Our proposer's counters of a rollout (proposer.fresh_stats) as GenerateStats.drafters["history"]: each
+    sequence-step emits one token plus the drafts it accepted, so spec/accept_length/history reads as on our engine;
+    later_drafted / later_accepted: those of an agent's turns k >= 1 (summed over Ray actors as the rest)."""
+    return {"seq_steps": max(generated - spec["accepted"], 1), "proposals": spec["spec_steps"],
+            "drafted": spec["drafted"], "accepted": spec["accepted"], "later_drafted": spec.get("later_drafted", 0),
+            "later_accepted": spec.get("later_accepted", 0)}
+
+
 def stream_weights(llm, named, dtype: torch.dtype, tied: bool) -> int:
     """(name, tensor) pairs into vLLM's model through its checkpoint loader (`reload_weights`), one at a time;
     returns the bytes sent. A tied LM head is skipped: vLLM ties it to the embedding itself."""

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ...speculative.config import SpecConfig
-from ...speculative.drafters import PROMPT_TAIL, PromptHistory
+from ...speculative.drafters import PROMPT_TAIL, PromptHistory, history_key
 from ...speculative.goodput import Calibration, StepLine, choose, worth_drafting
 from ...speculative.suffix import TreeShape, build_tree
 
@@ -40,13 +40,15 @@ class HistoryProposer:
     def __init__(self, vllm_config, spec: SpecConfig | None = None):
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.cfg = spec or SpecConfig(mode="history")
-        self.prompts: dict[tuple[int, ...], PromptHistory] = {}
-        self.by_len: dict[int, set[tuple[int, ...]]] = {}  # prompt length -> prompts of that length
-        self.rows: dict[int, tuple] = {}  # row -> (prompt key, live stream id, tokens seen)
+        self.prompts: dict[tuple, PromptHistory] = {}  # history key (drafters.history_key) -> its history
+        # this rollout's requests: prompt ids -> (history key, turn); prompt length -> those prompts' last PROBE tokens
+        self.requests: dict[tuple[int, ...], tuple[tuple, int]] = {}
+        self.by_len: dict[int, set[tuple[int, ...]]] = {}
+        self.rows: dict[int, tuple] = {}  # row -> (request prompt, live stream id, tokens seen)
         self.line, self.calib = StepLine(), Calibration(depth=max(self.k, 1))
-        self.pending: dict[tuple, list[float]] = {}  # (prompt key, stream) -> estimates of the drafts it verifies
+        self.pending: dict[tuple, list[float]] = {}  # (history key, stream) -> estimates of the drafts it verifies
         self.last_t, self.last_rows, self.last_drafted, self.last_draft_s = None, 0, 0, 0.0
-        self.stats = {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0}
+        self.stats = fresh_stats()
         # TAILRL_VLLM_TRACE=FILE: a JSON line per step (rows, drafted, emitted, seconds, arm) for profiling;
         # TAILRL_VLLM_ARM=off|history:K: that many draft tokens at every step instead of the goodput choice;
         # repeat:K: every row drafts its last token K times, history or not (what verifying K tokens costs)
@@ -57,25 +59,37 @@ class HistoryProposer:
 
     # ---- what the rollout pushes, through collective_rpc --------------------------------------------------
 
-    def push_prompts(self, prompts: list[list[int]]) -> None:
-        for p in prompts:
-            key = tuple(p)
+    def push_prompts(self, prompts: list[list[int]], history: list[tuple | None] | None = None) -> None:
+        """The prompts of requests about to be added, and for each the (prompt ids, turn) its tokens are filed
+        under (SamplingParams.history: an agent's turn k >= 1; None, or no list: turn 0, under its own ids)."""
+        for i, p in enumerate(prompts):
+            req = tuple(p)
+            named = history[i] if history is not None else None
+            prompt, turn = (list(named[0]), int(named[1])) if named is not None else (list(p), 0)
+            key = history_key(prompt, turn)
             if key not in self.prompts:
-                self.prompts[key] = ph = PromptHistory(list(p), 3)
+                self.prompts[key] = ph = PromptHistory(prompt, 3)
                 ph.index.max_occurrences = OCCURRENCES
-                self.by_len.setdefault(len(key), set()).add(key)
+            if req not in self.requests:
+                self.requests[req] = (key, turn)
+                self.by_len.setdefault(len(req), set()).add(req[-PROBE:])
 
     def end_rollout(self) -> dict:
-        """This step's samples become history (the last `history_epochs` kept); returns and resets the counters."""
+        """This step's samples become history (the last `history_epochs` kept) and its later turns' requests are
+        forgotten (a trajectory's prompt so far is not asked again; a prompt is); returns and resets the counters."""
         for ph in self.prompts.values():
             ph.commit(self.cfg.history_epochs)
+        self.requests = {req: kt for req, kt in self.requests.items() if kt[1] == 0}
+        self.by_len = {}
+        for req in self.requests:
+            self.by_len.setdefault(len(req), set()).add(req[-PROBE:])
         self.rows.clear()
         self.pending.clear()
         self.last_t = None
         if self.trace is not None:
             self.trace.write(json.dumps({"end_rollout": True}) + "\n")
             self.trace.flush()
-        out, self.stats = self.stats, {k: 0 if k != "draft_s" else 0.0 for k in self.stats}
+        out, self.stats = self.stats, fresh_stats()
         return out
 
     # ---- vLLM's call -----------------------------------------------------------------------------------
@@ -92,7 +106,7 @@ class HistoryProposer:
                 self.trace.write(json.dumps({"rows": self.last_rows, "drafted": self.last_drafted, "emitted": emitted,
                                              "step_s": round(step_s, 5), "draft_s": round(self.last_draft_s, 5)})
                                  + "\n")
-        self._follow(B, num_tokens_no_spec, token_ids_cpu)
+        self._follow(B, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         chains, cands = [None] * B, [[] for _ in range(B)]
         explore = self.stats["steps"] % EXPLORE_EVERY == 0
         worth = self.forced != 0 and (explore or worth_drafting(self.line, B, self.k))
@@ -100,7 +114,10 @@ class HistoryProposer:
             held = self.rows.get(i)
             if held is None or not sampled_token_ids[i]:
                 continue
-            est = self.pending.pop(held[:2], None)
+            key, turn = self.requests[held[0]]
+            if turn:
+                self.stats["later_accepted"] += len(sampled_token_ids[i]) - 1
+            est = self.pending.pop((key, held[1]), None)
             if est is not None:  # its drafts of last step were verified: len - 1 of them accepted
                 self.calib.record(est, len(sampled_token_ids[i]) - 1)
             if worth:
@@ -121,7 +138,9 @@ class HistoryProposer:
                 tokens, est = chains[i]
                 drafts[i] = tokens[:m]
                 if not self.repeat:
-                    self.pending[self.rows[i][:2]] = est[:m]
+                    key, turn = self.requests[self.rows[i][0]]
+                    self.pending[(key, self.rows[i][1])] = est[:m]
+                    self.stats["later_drafted"] += m if turn else 0
         drafted = sum(counts)
         self.stats["steps"] += 1
         self.stats["spec_steps"] += drafted > 0
@@ -134,43 +153,51 @@ class HistoryProposer:
     def load_model(self, *args, **kwargs) -> None:
         pass  # model-free
 
-    # ---- rows to prompts, and their live streams ----------------------------------------------------------
+    # ---- rows to requests, and their live streams ---------------------------------------------------------
 
-    def _follow(self, B: int, num_tokens, token_ids) -> None:
-        """Keeps each row's live stream in its prompt's index up to date. vLLM reorders its rows as requests finish
-        (and reuses them), so a row that no longer continues the stream it held is matched again: to its prompt by
-        prefix, then to the live stream of that prompt it continues (a moved request keeps its stream: its tokens
-        are not indexed twice and its verified drafts are credited to it), or to a new one."""
+    def _follow(self, B: int, sampled, num_tokens, token_ids) -> None:
+        """Keeps each row's live stream in its history entry up to date. A row still holds the request it held if it
+        grew by exactly the tokens it was just given (vLLM appends them), and its first tokens and the stream's last
+        token agree. vLLM reorders its rows as requests finish (and reuses them: a trajectory's next turn may land in
+        its last turn's row, its tokens a continuation of that turn's), so a row that no longer continues the stream
+        it held is matched again: to its request by prefix, then to the live stream of that request's entry it
+        continues (a moved request keeps its stream: its tokens are not indexed twice and its verified drafts are
+        credited to it), or to a new one."""
         kept, loose = {}, []
         for i in range(B):
             n, row, held = int(num_tokens[i]), token_ids[i], self.rows.get(i)
             if held is not None:
-                key, sid, seen = held
-                if len(key) <= seen <= n and tuple(row[:PROBE].tolist()) == key[:PROBE] and \
-                        row[seen - 1] == self.prompts[key].index.streams[sid][-1]:
+                req, sid, seen = held
+                if len(req) <= seen == n - len(sampled[i]) and tuple(row[:PROBE].tolist()) == req[:PROBE] and \
+                        row[seen - 1] == self._entry(req).index.streams[sid][-1]:
                     kept[i] = held
                     continue
             loose.append(i)
-        taken = {held[:2] for held in kept.values()}
+        taken = {(self.requests[held[0]][0], held[1]) for held in kept.values()}
         for i in loose:
             n, row = int(num_tokens[i]), token_ids[i]
-            key = self._match(row, n)
-            if key is None:
+            req = self._match(row, n)
+            if req is None:
                 continue
-            held = self._resume(key, row, n, taken) or (key, self.prompts[key].start_live(), len(key))
-            taken.add(held[:2])
+            key = self.requests[req][0]
+            held = self._resume(req, row, n, taken) or (req, self.prompts[key].start_live(), len(req))
+            taken.add((key, held[1]))
             kept[i] = held
-        for i, (key, sid, seen) in kept.items():
+        for i, (req, sid, seen) in kept.items():
             n = int(num_tokens[i])
             if n > seen:
-                self.prompts[key].index.extend(sid, token_ids[i][seen:n].tolist())
-            kept[i] = (key, sid, n)
+                self._entry(req).index.extend(sid, token_ids[i][seen:n].tolist())
+            kept[i] = (req, sid, n)
         self.rows = kept
 
-    def _resume(self, key: tuple, row: np.ndarray, n: int, taken: set) -> tuple | None:
-        """The live stream of `key` that this row continues (its response so far ends the row's tokens up to the
-        stream's length), not held by another row: (key, stream, tokens it covers); None if there is none."""
-        ph, L = self.prompts[key], len(key)
+    def _entry(self, req: tuple) -> PromptHistory:
+        return self.prompts[self.requests[req][0]]
+
+    def _resume(self, req: tuple, row: np.ndarray, n: int, taken: set) -> tuple | None:
+        """The live stream of `req`'s entry that this row continues (its response so far ends the row's tokens up to
+        the stream's length), not held by another row: (req, stream, tokens it covers); None if there is none."""
+        key = self.requests[req][0]
+        ph, L = self.prompts[key], len(req)
         cut = len(ph.prompt[-PROMPT_TAIL:])
         for sid in ph.live:
             if (key, sid) in taken:
@@ -179,22 +206,24 @@ class HistoryProposer:
             r = len(stream) - cut
             m = min(r, PROBE)
             if 0 < r and L + r <= n and row[L + r - m : L + r].tolist() == stream[-m:]:
-                return key, sid, L + r
+                return req, sid, L + r
         return None
 
     def _match(self, row: np.ndarray, n: int) -> tuple[int, ...] | None:
-        for L, keys in self.by_len.items():
-            if L < n:
-                key = tuple(row[:L].tolist())
-                if key in keys:
-                    return key
+        """The longest pushed request prompt the row's tokens start with (a later turn's prompt starts with the
+        trajectory's prompt and its earlier turns' prompts); a length's prompts are compared by their last tokens
+        first, so a row costs a full prompt's comparison only where one ends as the row does there."""
+        for L in sorted(self.by_len, reverse=True):
+            if L < n and tuple(row[max(L - PROBE, 0) : L].tolist()) in self.by_len[L]:
+                req = tuple(row[:L].tolist())
+                if req in self.requests:
+                    return req
         return None
 
     def _chain(self, i: int, n: int, row: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-        """Row i's draft chain from its prompt's history (at most k tokens), and each token's estimated cumulative
+        """Row i's draft chain from its entry's history (at most k tokens), and each token's estimated cumulative
         acceptance: the share of the matched continuations that agree with the chain up to it."""
-        key, _, _ = self.rows[i]
-        ph = self.prompts[key]
+        ph = self._entry(self.rows[i][0])
         ctx = row[max(0, n - self.cfg.max_match - 1) : n].tolist()
         m, occ = ph.index.match(ctx, self.cfg.max_match)
         if m < self.cfg.min_match:
@@ -205,10 +234,16 @@ class HistoryProposer:
         return list(tree.tokens), np.cumprod(tree.cond)
 
 
+def fresh_stats() -> dict:
+    """The proposer's counters of one rollout; later_*: those of an agent's turns k >= 1."""
+    return {"steps": 0, "spec_steps": 0, "drafted": 0, "accepted": 0, "draft_s": 0.0, "later_drafted": 0,
+            "later_accepted": 0}
+
+
 # ---- functions run on the worker by collective_rpc (they receive the worker) ------------------------------------
 
-def push_prompts(worker, prompts: list[list[int]]) -> None:
-    worker.model_runner.drafter.push_prompts(prompts)
+def push_prompts(worker, prompts: list[list[int]], history: list[tuple | None] | None = None) -> None:
+    worker.model_runner.drafter.push_prompts(prompts, history)
 
 
 def end_rollout(worker) -> dict:

@@ -88,7 +88,7 @@ class VllmActor:
         on its actor across turns and vLLM's prefix cache holds its earlier turns."""
         from .turns import VllmTurns
 
-        return fn(VllmTurns(self.llm), *args)
+        return fn(VllmTurns(self.llm, self.proposer), *args)
 
     def prompt_logprobs(self, seq: list[int]) -> list[float]:
         """log p(seq[t] | seq[:t]), t >= 1, under this actor's weights: how a weight sync is checked."""

@@ -20,7 +20,7 @@ from ...config import Config
 from ...engine.sequence import Completion
 from ...engine.stats import Completions, GenerateStats
 from ...engine.requests import encode as encode_prompt
-from .io import Drawn, draw, stream_weights
+from .io import Drawn, draw, history_counts, stream_weights
 from .llm import hf_folder, make_llm, repair_note, require_vllm, vllm_dtype, vllm_version
 from .spec import speculative_config
 
@@ -76,10 +76,7 @@ class VllmRollout:
         self.drafter_trainer = self.spot = self.history = None
         self._ids = 0
         self.agent = None  # agent.tools: the turn loop (rollout/turns.py) drives vLLM's engine (vllm/turns.py)
-        if cfg.agent.enabled:
-            if self.proposer:
-                raise ValueError("agent.tools on vLLM with our history proposer (rollout.vllm_spec resolved to it): "
-                                 "not built yet; set rollout.vllm_spec=off")
+        if cfg.agent.enabled:  # with our proposer, each turn's request is pushed to it (turns.py): drafts by turn
             from ..turns import TurnLoop
 
             self.agent = TurnLoop(cfg.agent, tokenizer)
@@ -118,8 +115,7 @@ class VllmRollout:
         accepted = 0
         if spec is not None:
             accepted, st.draft_s = spec["accepted"], spec["draft_s"]
-            st.drafters["history"] = {"seq_steps": max(st.generated_tokens - accepted, 1),
-                                      "proposals": spec["spec_steps"], "drafted": spec["drafted"], "accepted": accepted}
+            st.drafters["history"] = history_counts(spec, st.generated_tokens)
         # each sequence-step emits one token plus the draft tokens it accepted: spec/accept_length as on our engine
         st.batch_sizes = {1: max(st.generated_tokens - accepted, 1)}
         st.by_bucket = {1: [float(st.generated_tokens), st.total_s]}
@@ -161,7 +157,9 @@ class VllmRollout:
 
             comps, agent = cluster_agent_rollout(self.cluster, c.agent, reqs)
         else:
-            comps, _, agent, _ = self.agent.run(VllmTurns(self.llm), reqs)
+            engine = VllmTurns(self.llm, self.proposer)
+            comps, _, agent, _ = self.agent.run(engine, reqs)
+            engine.end_rollout(comps.stats)  # as each Ray actor's loop does (remote.worker_rollout)
         st = comps.stats
         st.generated_tokens = sum(sum(c.response_mask or []) or len(c.token_ids) for c in comps)
         st.decode_s = st.total_s

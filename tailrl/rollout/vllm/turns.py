@@ -7,6 +7,11 @@ far plus the observation, whose earlier turns vLLM's prefix cache holds (no lock
 keeps the KV of earlier turns here). Token in, token out as on our engine: the loop keeps the sampled ids and the
 logprobs vLLM reports for them (the warped distribution's, llm.make_llm).
 
+Our history proposer (proposer.py) inside the LLM: each request's prompt goes to it before the request goes in, with
+the (prompt, turn) the turn loop names for turn k >= 1 (SamplingParams.history), so a later turn drafts from turn
+k of the same prompt in earlier epochs and from its siblings' turn k, as our engine's history drafter does;
+`end_rollout` makes the rollout's turns history and reads its counters into the rollout's stats.
+
 Seeds: each sample is a request of its own with its own seed (turn k of sample j draws from turn_seed(seed + j,
 k), the loop's), so a trajectory is reproducible on vLLM whatever its batch composition allows, and comparable
 run to run; vLLM's kernels are not batch-invariant, so (unlike our engine) it need not equal another batch's draw
@@ -32,12 +37,13 @@ class TurnStep:
 class VllmTurns:
     """The `StepEngine` (rollout/base.py) over a vllm.LLM's engine, returning our `Completion`s. vLLM's prefix
     cache keeps the K/V of earlier turns, so there is nothing parked to drop (keep_kv and resume are ignored);
-    export/import_ (partial rollouts) are not built on vLLM yet."""
+    export/import_ (partial rollouts) are not built on vLLM yet. proposer: the LLM drafts with our proposer."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, llm):
-        self.llm, self.engine = llm, llm.llm_engine
+    def __init__(self, llm, proposer: bool = False):
+        self.llm, self.engine, self.proposer = llm, llm.llm_engine, proposer
+        self.spec: dict | None = None  # our proposer's counters of the last rollout (end_rollout)
         self.live: dict[str, tuple[int, int, int, list[int]]] = {}  # request id -> (seq id, prompt, sample, prompt ids)
         self.seen: dict[str, int] = {}  # request id -> tokens reported so far
 
@@ -48,6 +54,10 @@ class VllmTurns:
 
         params = params if isinstance(params, list) else [params] * len(prompts)
         labels = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        if self.proposer:
+            from .proposer import push_prompts
+
+            self.llm.collective_rpc(push_prompts, args=([list(q) for q in prompts], [p.history for p in params]))
         ids = []
         for i, prompt, p in zip(labels, prompts, params):
             for j in range(p.n):
@@ -115,4 +125,14 @@ class VllmTurns:
         return 0
 
     def end_rollout(self, stats=None) -> None:
-        pass
+        """With our proposer: the rollout's turns become its history, and its counters go into stats (a
+        GenerateStats: drafters["history"], draft_s) and `spec`."""
+        if not self.proposer:
+            return
+        from .io import history_counts
+        from .proposer import end_rollout
+
+        self.spec = self.llm.collective_rpc(end_rollout)[0]
+        if stats is not None:
+            stats.draft_s += self.spec["draft_s"]
+            stats.drafters["history"] = history_counts(self.spec, stats.generated_tokens)
