@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from .arms import OFF, Arm, Decision
 from .config import SpecConfig
 from .draft_cost import DraftCost
 from .rates import Rate, SeqAccept
@@ -47,34 +47,6 @@ EXPLORE_SHARE, CREDIT_STEPS = 0.01, 200
 # plain step for the same sequences; below 1 over GUARD_STEPS (decayed) such steps, the bucket decodes plainly
 # whatever the prices say, until probes measure speculation paying again
 GUARD_STEPS, GUARD_HALF_LIFE = 3.0, 8.0
-
-
-class Arm(NamedTuple):  # a tuple: the selector's tables are keyed by arm, and a tuple hashes in C
-    drafter: str  # "" = off
-    budget: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.drafter}:{self.budget}" if self.drafter else "off"
-
-
-OFF = Arm("")
-
-
-@dataclass
-class Decision:
-    """Why a step ran what it ran: the arm, its predicted tokens / s, OFF's (None: not predictable yet), and
-    whether it was a probe."""
-
-    arm: Arm = OFF
-    predicted: float | None = None
-    off: float | None = None
-    probe: bool = False
-    weight: float = 1.0  # steps of its kind the step stands for (a probe: the steps since the last one)
-    worth: float = 1.0  # what an accepted token was worth (Selector.worth)
-    far: bool = False  # decoding plainly, the best drafter arm predicted below `Selector.far` of OFF or vetoed
-
-    def __post_init__(self):
-        self.far = self.far and self.arm == OFF
 
 
 @dataclass
