@@ -210,8 +210,13 @@ class SpotTrainer:
         self.error: str | None = None
 
     def begin_step(self, rl_step: int, last_step_s: float) -> None:
+        """A new RL step's share: spot_share of the last step's seconds, plus what earlier steps left unspent (at
+        most spot_bank - 1 shares), less what the last one overspent (its first drafter step, whose time was not
+        known yet): over a run, spot training takes its share on average, whatever one drafter step costs."""
         self.rl_step = rl_step
-        self.allowed_s = self.cfg.spot_share * last_step_s
+        share = self.cfg.spot_share * last_step_s
+        left = self.allowed_s - self.used_s
+        self.allowed_s = share + max(min(left, (self.cfg.spot_bank - 1) * share), -share)
         self.used_s = 0.0
         self.steps_this_rl_step = 0
 

@@ -162,3 +162,24 @@ def test_threads_lent_to_the_spot_trainer_come_back_when_it_stops_itself():
         assert not lender.lent and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_spot_trainer_saves_up_its_share_for_a_step_longer_than_one_share(tiny_lm):
+    """A drafter step of 3 s against a share of 1 s an RL step (0.1 of 10 s): without saving up, the trainer ran its
+    first step and never again. With spot_bank it trains every few RL steps, and over the run it never takes more
+    than its shares plus the one step it could not know the cost of."""
+    model, _ = tiny_lm
+    cfg = DrafterConfig(draft_vocab=0, batch_tokens=64, spot_share=0.1, spot_bank=8)
+    trainer = DrafterTrainer(EagleDrafter(model.config).bind(model), cfg, buffer=tiny_draft_buffer(model))
+    spot = SpotTrainer(trainer, cfg, clock=lambda: 3.0 * trainer.steps)
+    used = 0.0
+    try:
+        for step in range(1, 13):
+            spot.begin_step(step, last_step_s=10.0)
+            if spot.resume():
+                assert wait_for(lambda: not spot.running), "the spot trainer did not stop at its share"
+            used += spot.used_s
+        assert trainer.steps >= 3, trainer.steps  # 1 without saving up
+        assert used <= 12 * 1.0 + 3.0, used
+    finally:
+        spot.close()
