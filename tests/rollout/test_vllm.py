@@ -22,32 +22,32 @@ def env(**extra) -> dict:
     return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"), **extra}
 
 
+def run_checks(file: str, passed: int) -> None:
+    """Runs tests/rollout/<file> in a pytest process of its own; every one of its `passed` tests must pass, none
+    skipped."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
+                          f"tests/rollout/{file}"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert re.search(rf"\b{passed} passed", run.stdout), run.stdout[-2000:]
+
+
 @pytest.mark.slow  # vLLM engines in a pytest process of their own: a few minutes
 @needs_vllm
 def test_vllm_backend_checks():
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                          "tests/rollout/vllm_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert re.search(r"\b7 passed", run.stdout), run.stdout[-2000:]  # none of them skipped
+    run_checks("vllm_checks.py", 7)
 
 
 @pytest.mark.slow  # one vLLM engine start in a process of its own: about a minute
 @needs_vllm
 def test_vllm_agent_checks():
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                          "tests/rollout/vllm_agent_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert re.search(r"\b2 passed", run.stdout), run.stdout[-2000:]
+    run_checks("vllm_agent_checks.py", 2)
 
 
 @pytest.mark.slow  # two vLLM engine starts in a process of their own: about two minutes
 @needs_vllm
 def test_vllm_turns_checks():
     """agent.tools with our proposer inside vLLM: later turns drafted by turn, the audit of tool trajectories."""
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                          "tests/rollout/vllm_turns_checks.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert re.search(r"\b2 passed", run.stdout), run.stdout[-2000:]
+    run_checks("vllm_turns_checks.py", 2)
 
 
 @pytest.mark.slow  # one vLLM engine start: about a minute
