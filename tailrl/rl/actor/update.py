@@ -1,7 +1,8 @@
 """The policy update of one RL step: old/reference logprobs, mini-batch steps of the policy loss `algo.loss`
 (PPO-clipped by default; GSPO, CISPO: algos.py) with gradient accumulation over micro-batches in which a prompt's
 samples share one copy of it (packing.py; a response is never split, so GSPO's sequence ratio sees all of it),
-truncated importance sampling, and the non-finite guard.
+truncated importance sampling, and the non-finite guard. One micro-batch's forward, loss and backward are
+micro_step.py's; the metrics, update_metrics.py's.
 
 Invariants:
 - `optimizer.step()` runs only when the mini-batch loss and the gradient norm are finite; otherwise the
@@ -17,43 +18,20 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-import math
 import random
 import time
 
 import torch
 
-from ..algos import POLICY_LOSSES, aggregate, kl_penalty, loss_agg
-from .forward import Batch, sequence_logprobs
+from ..algos import loss_agg
+from .forward import Batch
 from .logprobs import Warp
+from .micro_step import loss_fn, micro_step, normalisers
 from .packing import packed_tokens, segments
 from .precision import Precision
 from .ranks import SINGLE, Ranks, clip_grad_norm, padding_pass, rank_micros, reshard, shared_logprobs
-
-STATS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm",
-         "actor/tis_weight")
-
-
-def mismatch(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Engine vs trainer logprobs over response tokens: `rollout/logprob_diff` (mean |diff|) and `_max`."""
-    d = (trainer_lp.float() - rollout_lp.float()).abs() * mask
-    return {"rollout/logprob_diff": float(d.sum() / mask.sum().clamp_min(1)), "rollout/logprob_diff_max": float(d.max())}
-
-
-def loss_fn(algo) -> tuple:
-    """The policy loss `algo.loss` names (algos.py; PPO with its dual clip `algo.clip_ratio_c`) and its clip range
-    (clip_low, clip_high): PPO's, GSPO's own (sequence ratios need far smaller clips), or CISPO's weight cap with no
-    lower bound (clip_low 1)."""
-    clips = {"ppo": (algo.clip_low, algo.clip_high), "gspo": (algo.gspo_clip_low, algo.gspo_clip_high),
-             "cispo": (1.0, algo.cispo_clip_high)}
-    fn = POLICY_LOSSES[algo.loss]
-    return (functools.partial(fn, clip_c=algo.clip_ratio_c) if algo.loss == "ppo" else fn), clips[algo.loss]
-
-
-def _seqs(mask: torch.Tensor) -> int:
-    """Sequences with a token on the mask: the seq-mean aggregations' count (a row fully masked is in none)."""
-    return int((mask.sum(-1) > 0).sum())
+from .update_metrics import STATS, actor_metrics, add_, non_finite, token_rates
+from .update_metrics import mismatch  # noqa: F401 - also what tests import from here
 
 
 def update_plan(groups: list[int], advantages: torch.Tensor, algo, rng: random.Random,
@@ -94,8 +72,7 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     B = advantages.shape[0]
     mask = batch.mask
     minis, live = update_plan(batch.groups, advantages, a, rng, ref is not None)
-    pg_loss, clips = loss_fn(a)
-    agg = loss_agg(a.loss, a.loss_agg)
+    objective = (*loss_fn(a), loss_agg(a.loss, a.loss_agg))
     live_rows = [i for i in range(B) if live[i]]
     first = set(minis[0])
     t = time.perf_counter()
@@ -118,10 +95,8 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
     count = skipped = computed = 0
     reason = None
     for k, mini in enumerate(minis):
-        tokens_in_mini, seqs_in_mini = float(mask[mini].sum().clamp_min(1)), max(_seqs(mask[mini]), 1)
         rows = [i for i in mini if live[i]]
-        live_tokens = float(mask[rows].sum().clamp_min(1)) if rows else 1.0
-        live_seqs = max(_seqs(mask[rows]), 1) if rows else 1
+        norms = normalisers(mask, mini, rows)
         optimizer.zero_grad(set_to_none=True)
         prec.zero_grad()
         step = dict.fromkeys(sums, 0.0)
@@ -129,31 +104,8 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
             if micro is None:  # this rank has fewer micro-batches than another: a pass that adds 0 (ranks.py)
                 padding_pass(policy, batch, warp, autocast, grad=True)
                 continue
-            m = mask[micro].to(policy.device)
-            logp, ent = sequence_logprobs(policy, batch, micro, warp, autocast)
             computed += packed_tokens(batch.seqs, batch.prompt_lens, batch.groups, micro)
-            if k == 0:
-                old[micro] = logp.detach().to(old.device)
-            old_lp = old[micro].to(logp.device)
-            tis = None
-            if a.tis_cap > 0:
-                tis = torch.exp(old_lp - batch.rollout_lp[micro].to(logp.device)).clamp(max=a.tis_cap) * m
-            loss, info = pg_loss(logp, old_lp, advantages[micro].to(logp.device), m, *clips, agg, weights=tis)
-            kl = aggregate(kl_penalty(logp, ref_lp[micro].to(logp.device), a.kl_type), m, agg) if ref_lp is not None else None
-            if kl is not None:
-                loss = loss + a.kl_coef * kl
-            # weight micro losses so their sum is the mini-batch loss under the aggregation mode
-            w = float(m.sum()) / tokens_in_mini if agg == "token-mean" else _seqs(m) / seqs_in_mini
-            (loss * w).backward()
-            prec.accumulate()
-            # diagnostics are means over the sequences computed
-            ws = float(m.sum()) / live_tokens if agg == "token-mean" else _seqs(m) / live_seqs
-            step["actor/pg_loss"] += float(loss.detach()) * w
-            step["actor/entropy"] += float(aggregate(ent.detach(), m, "token-mean")) * ws
-            step["actor/kl"] += float(kl.detach()) * w if kl is not None else 0.0
-            step["actor/pg_clipfrac"] += info["pg_clipfrac"] * ws
-            step["actor/ppo_kl"] += info["ppo_kl"] * ws
-            step["actor/tis_weight"] += float(aggregate(tis, m, "token-mean")) * ws if tis is not None else ws
+            add_(step, micro_step(prec, batch, micro, warp, old, k == 0, advantages, ref_lp, a, objective, norms))
         if k == 0:  # every rank's first-mini-batch logprobs (each row computed by one rank), then the rest's
             old = ranks.all_reduce_(old).add_(old_rest)
         step = ranks.sum_floats(step)
@@ -163,35 +115,22 @@ def policy_update(prec: Precision, optimizer, ref, batch: Batch, advantages: tor
             for p in prec.master.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        grad_norm = clip_grad_norm(ranks, [p for p in prec.master.parameters() if p.requires_grad], a.grad_clip)
-        step["actor/grad_norm"] = grad_norm
-        if not math.isfinite(step["actor/pg_loss"] + step["actor/kl"]) or not math.isfinite(grad_norm):
-            reason = (f"non-finite loss ({step['actor/pg_loss']:.4g})" if not math.isfinite(step["actor/pg_loss"])
-                      else f"non-finite gradient norm ({grad_norm:.4g})")
+        step["actor/grad_norm"] = clip_grad_norm(ranks, [p for p in prec.master.parameters() if p.requires_grad],
+                                                 a.grad_clip)
+        why = non_finite(step)
+        if why is not None:
+            reason = why
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
             continue
         optimizer.step()
         prec.after_step()
         count += 1
-        for key, v in step.items():
-            sums[key] += v
+        add_(sums, step)
     prec.eval()
     optimizer.zero_grad(set_to_none=True)
     prec.zero_grad()
     timing["timing_s/update"] = dt = time.perf_counter() - t
-    out = {k: v / max(count, 1) for k, v in sums.items()}
-    if live_rows:  # engine vs trainer logprobs, over the sequences the trainer computed
-        out.update(mismatch(old[live_rows], batch.rollout_lp[live_rows], mask[live_rows]))
-    out["actor/lr"] = a.lr
-    out["actor/zero_adv_skipped"] = (B - len(live_rows)) / B
-    if not live_rows:  # no sequence computed: no entropy or ratio to report (a 0 would read as a collapsed policy)
-        for k in ("actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl"):
-            out.pop(k)
-    out["train/skipped_steps"] = skipped
-    # tokens through forward + backward (prompt and response, no padding), per second of the update phase; and the
-    # whole batch's tokens per second, the rate a computation of every sequence would have to match
-    computed = ranks.sum_floats({"c": computed})["c"]
-    out["perf/update_tokens_per_s"] = computed / max(dt, 1e-9)
-    out["perf/update_batch_tokens_per_s"] = a.ppo_epochs * batch.tokens / max(dt, 1e-9)
+    out = actor_metrics(sums, count, skipped, a, batch, old, live)
+    out.update(token_rates(ranks.sum_floats({"c": computed})["c"], a, batch, dt))
     return out, reason if count == 0 else None
