@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from ...config import Config
-from ...model.load import save_layers
 
 FAULT: tuple | None = None  # tests only: (rank, step, "exit" | "hang"), injected into that rank's update
 
@@ -92,10 +91,7 @@ class ActorRank:
         LoRA, the adapters' shards (and moments) into folder/dcp and the adapter in PEFT's format into folder/model."""
         folder = Path(folder)
         self.actor.save_sharded(folder / "dcp", final)
-        if self.actor.lora:
-            self.actor.write_model(folder, final)
-            return
-        save_layers(self.actor.layers(None), folder / "model", self.actor.policy.config, self.rank == 0)
+        self.actor.write_model(folder, final)  # every rank gathers, rank 0 writes (full_weights.py, lora_weights.py)
 
 
 class ActorGroup:
