@@ -30,6 +30,9 @@ TAIL = ("rollout/tail_s", "rollout/tail_share", "rollout/tail_share_off_est", "s
 
 
 INVARIANT = "rollout/batch_invariant"  # checked against the resolved config below, not skipped
+# shared prompt blocks are reused only where rollout.prefix_cache resolves on: auto follows the invariant passes
+# (config/sections.py), so in fp32 (an AVX2-only CPU) nothing is reused; where they run it must move
+REUSED = "rollout/prefill_reused_share"
 
 
 def invariant_passes(cfg) -> bool:
@@ -53,17 +56,20 @@ def test_no_metric_is_stuck_at_zero(tiny_chat, task_file, tmp_path):
         assert r["perf/gen_tokens_per_s"] > 0 and r["perf/update_tokens_per_s"] > 0, r
     n_seqs = cfg.trainer.prompts_per_step * cfg.rollout.n
     had_tail = any(0 < run <= tail_size(n_seqs) for r in steps for _, _, run in r["rollout/timeline"])
+    invariant = invariant_passes(cfg)
+    no_reuse = cfg.rollout.prefix_cache is False or (cfg.rollout.prefix_cache == "auto" and not invariant)
     stuck = []
     for key in sorted({k for r in rows for k in r}):
         vals = [r[key] for r in rows if key in r]
         if not all(isinstance(v, (int, float)) and v == 0 for v in vals):
             continue
-        if key in MAY_BE_ZERO or key.startswith(STALE) or (key in TAIL and not had_tail) or key == INVARIANT:
+        if key in MAY_BE_ZERO or key.startswith(STALE) or (key in TAIL and not had_tail) or key == INVARIANT or (
+                key == REUSED and no_reuse):
             continue
         stuck.append(key)
     assert not stuck, f"metrics logged as 0 at every step: {stuck}"
     # rollout/batch_invariant says what the engine resolved: 0 wherever its config resolves to the plain passes
     # (auto in fp32, as on an AVX2-only CPU), 1 where the invariant passes run (auto in bf16 where the probe holds)
-    assert [r["rollout/batch_invariant"] for r in steps] == [float(invariant_passes(cfg))] * 3
+    assert [r["rollout/batch_invariant"] for r in steps] == [float(invariant)] * 3
     for key in ("perf/gen_tokens_per_s", "spec/accept_length", "actor/grad_norm", "timing_s/gen", "rollout/gen_rounds"):
         assert key in steps[-1], key  # the check above saw the metrics that matter
