@@ -144,13 +144,15 @@ class EngineRollout:
         return make_requests(examples, c.rollout, c.trainer.seed, step, gen_round, greedy, c.data.system_prompt)
 
     def _cluster_agent_rollout(self, reqs: list, weights=None):
-        """Multi-turn trajectories on the Ray workers (remote.py): this step's weights first (none for the
-        eval, which runs on the weights the last step synced), then each worker's prompts to their end."""
-        from .remote import cluster_agent_rollout
+        """Multi-turn trajectories on the Ray workers (remote_partial.py): this step's weights first (none for the
+        eval, which runs on the weights the last step synced), then the driver's rounds until every trajectory has
+        ended, idle workers taking trajectories from loaded ones (cluster.migrate)."""
+        from .remote_partial import cluster_tool_rollout
 
         t = time.perf_counter()
         sync_s = self.cluster.sync_weights(weights()) if weights is not None else 0.0
-        comps, agent = cluster_agent_rollout(self.cluster, self.cfg.agent, reqs)
+        self.cluster.revive()
+        comps, agent = cluster_tool_rollout(self.cluster, self.cfg.agent, reqs)
         self.engine.last_stats = comps.stats
         self._metrics = {**self._rollout_metrics(comps.stats), **agent, "timing_s/sync": sync_s,
                          "timing_s/cluster_rollout": time.perf_counter() - t}

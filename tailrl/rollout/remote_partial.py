@@ -1,32 +1,43 @@
-"""Partial rollouts with tools on Ray workers (rollout/partial.py for the step, tool_partial.py for a trajectory):
-each worker runs the trajectories of the groups placed on it through its own turn loop (turns.py), in rounds the
-driver paces; after each round the driver's Horizon is told of the trajectories that ended and of every unfinished
-one's drawn tokens, and once it says stop every worker stops (the calls in flight answer first) and hands back the
-trajectories that ended within the horizon and the rest carried, cut at it (mid-turn or after a call's
-observation).
+"""Rollouts with tools on Ray workers, in rounds the driver paces (partial rollouts: rollout/partial.py for the
+step, tool_partial.py for a trajectory; rollout.partial off: every trajectory runs to its end). Each worker runs
+the trajectories placed on it through its own turn loop (turns.py); after each round the driver learns which
+trajectories ended, every unfinished one's drawn tokens (a partial rollout's Horizon reads them) and which are in
+each engine, and a worker left with nothing to decode takes trajectories from a loaded one (tool_moves.py: the
+cost rule of the single-turn path's reallocation). Once the horizon says stop every worker stops (the calls in
+flight answer first) and hands back the trajectories that ended within it and the rest carried, cut at it
+(mid-turn or after a call's observation).
 
 Invariants:
 - where the rollout stops does not depend on when the horizon is asked (its T is fixed once known: rollout/
   partial.py's Horizon), and on the batch-invariant engine a trajectory's tokens depend on its seeds only
-  (tool_turns.py), so the rounds, the split over workers and a worker's failure change when tokens appear, never what
-  the step trains on or carries: the very trajectories (tokens, logprobs, mask, calls) one engine in process gives;
-- a group's trajectories stay on one worker, across turns and rounds (siblings' history drafts, kept K/V);
-- a worker that fails during the rollout: its groups re-run on the live workers from where this rollout took them
-  up (a carried trajectory re-imported from its carried state, a new one from its prompt, the same seeds), and the
-  horizon counts each trajectory's end once (the re-run draws the very same one); until the re-run reports, it
-  counts at the tokens it restarts from. A worker that fails handing its trajectories back keeps those the driver
-  saw end within the horizon; the others are lost and restart (as on the single-turn path, cluster/partial.py)."""
+  (tool_turns.py), so the rounds, the split over workers, the moves and a worker's failure change when tokens
+  appear, never what the step trains on or carries: the very trajectories (tokens, logprobs, mask, calls) one
+  engine in process gives;
+- a group's trajectories start on one worker (siblings' history drafts, shared prefix, kept K/V); a trajectory
+  moves only while its turn is in the engine (never with a call running), as the carried state a stop would give
+  it, and the receiver re-prefills it (no K/V travels);
+- a worker that fails during the rollout: its trajectories re-run on the live workers from where this rollout took
+  them up or last moved them (a carried or moved trajectory re-imported from that state, a new one from its
+  prompt, the same seeds), and the horizon counts each trajectory's end once (the re-run draws the very same one);
+  until the re-run reports, it counts at the tokens it restarts from. A worker that fails handing its trajectories
+  back keeps those the driver saw end within the horizon; the others are lost and restart (as on the single-turn
+  path, cluster/partial.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from ..config.agent import AgentConfig
 from ..engine import Completions
+from ..engine.requests import SeqState
 from .base import Request
 from .partial import drawn
 from .remote import merge_parts
+from .tool_moves import plan
 from .turns import TurnLoop, TurnRun, seq_lens
 
 _RUNS = itertools.count()  # a rollout's id: a worker's trajectories of another (abandoned) rollout are not its
@@ -62,7 +73,16 @@ def worker_round(engine, held: Held | None, rid: int, seconds: float, steps: int
     drawn tokens) of every unfinished one, whether work is left)."""
     _check(held, rid)
     ended = held.loop.advance(held.run, steps=steps, seconds=seconds)
-    return held, (ended, held.loop.turns.running(seq_lens(engine)), held.loop.has_work(held.run))
+    lens = seq_lens(engine)
+    tt = held.loop.turns
+    return held, (ended, tt.running(lens), held.loop.has_work(held.run), tt.movable(lens))
+
+
+def worker_give(engine, held: Held | None, rid: int, keys: list) -> tuple[Held, list]:
+    """These trajectories leave this worker's run for another's (ToolTurns.hand_over): their carried states."""
+    _check(held, rid)
+    with torch.inference_mode():  # taking a running sequence out moves KV rows of the engine's cache
+        return held, held.loop.turns.hand_over(engine, keys)
 
 
 def worker_end(engine, held: Held | None, rid: int, limits: dict | None) -> tuple[None, tuple]:
@@ -86,93 +106,129 @@ def _check(held: Held | None, rid: int) -> None:
 
 # ---- on the driver -------------------------------------------------------------------------------------------------
 
-@dataclass
-class Share:
-    """One group's work in this rollout as the rollout took it up: its new request (none for a carried group) and its
-    carried states (with their prompt's chat messages)."""
-
-    requests: list
-    states: list
-    messages: list
-
-    def keys(self) -> list[tuple[int, int]]:
-        return ([(q.label, j) for q in self.requests for j in range(q.params.n)]
-                + [(st.prompt_index, st.sample_index) for st in self.states])
-
-    def starts(self) -> list[tuple[int, int, int]]:
-        """(label, sample, drawn tokens) where each of its trajectories starts (the Horizon's running clock)."""
-        return ([(q.label, j, 0) for q in self.requests for j in range(q.params.n)]
-                + [(st.prompt_index, st.sample_index, drawn(st)) for st in self.states])
-
-
-def shares(requests: list[Request], states: list, messages: dict) -> dict[int, Share]:
-    """Label (group) -> its share, carried groups first (the oldest, as the engine admits them)."""
-    out: dict[int, Share] = {}
-    for st in states:
-        out.setdefault(st.prompt_index, Share([], [], [])).states.append(st)
-        out[st.prompt_index].messages.append(messages[st.prompt_index])
+def start_states(requests: list[Request], states: list) -> dict[tuple[int, int], SeqState]:
+    """(label, sample) -> the state each trajectory of this rollout starts from: a carried one's carried state, a
+    new one's first turn not begun (what ToolTurns.carry_in re-enters as the request's sample j would: its seed,
+    params, first-turn limits)."""
+    out = {(st.prompt_index, st.sample_index): st for st in states}
     for q in requests:
-        out.setdefault(q.label, Share([], [], [])).requests.append(q)
+        p = q.params
+        for j in range(p.n):
+            out[(q.label, j)] = SeqState(q.label, j, list(q.ids), [], [], dataclasses.replace(p, n=1), p.seed + j,
+                                         p.max_tokens, list(p.stop_token_ids))
     return out
 
 
 class ToolPartial:
-    """The driver of one partial rollout with tools over a ClusterRollout's workers."""
+    """The driver of one rollout with tools over a ClusterRollout's workers, in rounds: where each trajectory runs
+    (`where`), where it would restart (`start`: the state this rollout took it up from, or the one it was moved
+    with), the workers' reports, and the trajectories moved between them (tool_moves.py)."""
 
-    def __init__(self, cluster, cfg: AgentConfig, work: dict[int, Share]):
-        self.cluster, self.cfg, self.work = cluster, cfg, work
+    def __init__(self, cluster, cfg: AgentConfig, requests: list[Request], states: list, messages: dict):
+        self.cluster, self.cfg = cluster, cfg
+        # a request without a seed gets one here, so that a re-run or a moved trajectory draws the same noise
+        requests = [q if q.params.seed is not None else dataclasses.replace(
+            q, params=dataclasses.replace(q.params, seed=cluster.rng.randrange(2**62))) for q in requests]
+        self.messages = {**messages, **{q.label: q.messages for q in requests}}
+        self.start = start_states(requests, states)
         self.rid = next(_RUNS)
-        self.at: dict[int, list[int]] = {}  # worker -> the labels it runs
+        self.where: dict[tuple[int, int], int] = {}  # key -> the worker whose run holds it (running or ended)
         self.running: dict[int, list] = {}  # worker -> its unfinished trajectories' clocks, as last reported
+        self.movable: dict[int, list] = {}  # worker -> the trajectories in its engine (ToolTurns.movable)
         self.busy: dict[int, bool] = {}  # worker -> it has work left
         self.ended: dict[tuple[int, int], object] = {}  # key -> its Completion, as first reported
-        self.counts = {"cluster/worker_failures": 0, "cluster/requeued": 0, "cluster/rounds": 0}
+        self.counts = {"cluster/worker_failures": 0, "cluster/requeued": 0, "cluster/rounds": 0,
+                       "cluster/migrated": 0, "cluster/reprefill_tokens": 0}
+        self.first = (requests, states)
 
-    def place(self, labels: list[int]) -> None:
-        """These groups to the live workers running the fewest trajectories (a worker that fails taking them: they and
-        all it held go to the others)."""
-        by: dict[int, list[int]] = {}
-        for label in labels:
-            w = min(self.cluster.live(), key=lambda v: (self._load(v) + sum(self._size(x) for x in by.get(v, [])), v))
-            by.setdefault(w, []).append(label)
-        args = {}
-        for w, ls in by.items():
-            mine = [self.work[x] for x in ls]
-            args[w] = (worker_start, self.rid, self.cfg, [q for s in mine for q in s.requests],
-                       [st for s in mine for st in s.states], [m for s in mine for m in s.messages])
+    def place_all(self) -> None:
+        """This rollout's groups to the workers (each whole: siblings share a worker's history drafts and prefix),
+        each to the live worker holding the fewest trajectories; carried groups first, as the engine admits them."""
+        requests, states = self.first
+        groups: dict[int, tuple[list, list]] = {}
+        for st in states:
+            groups.setdefault(st.prompt_index, ([], []))[1].append(st)
+        for q in requests:
+            groups.setdefault(q.label, ([], []))[0].append(q)
+        by: dict[int, tuple[list, list]] = {}
+        for label, (reqs, sts) in groups.items():
+            n = sum(q.params.n for q in reqs) + len(sts)
+            w = min(self.cluster.live(), key=lambda v: (self._load(v) + self._count(by.get(v)), v))
+            mine = by.setdefault(w, ([], []))
+            mine[0].extend(reqs)
+            mine[1].extend(sts)
+        self._send(by)
+
+    def _send(self, by: dict[int, tuple[list, list]]) -> None:
+        """(requests, states) to each worker's run; a worker that fails taking them: they and all it held go to the
+        others."""
+        args = {w: (worker_start, self.rid, self.cfg, reqs, sts, [self.messages[st.prompt_index] for st in sts])
+                for w, (reqs, sts) in by.items()}
         ok, failed = self.cluster.call_each("run_held", args)
         for w in ok:
-            self.at.setdefault(w, []).extend(by[w])
-            self.running.setdefault(w, []).extend(x for label in by[w] for x in self.work[label].starts())
+            reqs, sts = by[w]
+            keys = [(q.label, j) for q in reqs for j in range(q.params.n)] + [
+                (st.prompt_index, st.sample_index) for st in sts]
+            self.where.update((k, w) for k in keys)
+            self.running.setdefault(w, []).extend((*k, drawn(self.start[k])) for k in keys)
             self.busy[w] = True
-        self._requeue([x for w in failed for x in by[w] + self._drop(w)])
+        self._requeue([k for w in failed for k in self._keys(by[w]) + self._drop(w)])
 
     def round(self, seconds: float, steps: int | None) -> tuple[list, bool]:
-        """One round on every worker with work: (the trajectories newly ended, whether any work is left)."""
-        busy = [w for w in self.at if self.busy[w]]
+        """One round on every worker with work, then the moves it asks for: (the trajectories newly ended, whether
+        any work is left)."""
+        busy = [w for w in self.busy if self.busy[w]]
         if not busy:
             return [], False
         ok, failed = self.cluster.call_each("run_held", {w: (worker_round, self.rid, seconds, steps) for w in busy})
         self.counts["cluster/rounds"] += 1
         fresh = []
-        for w, (ended, running, more) in ok.items():
-            self.running[w], self.busy[w] = running, more
+        for w, (ended, running, more, movable) in ok.items():
+            self.running[w], self.busy[w], self.movable[w] = running, more, movable
             for c in ended:
                 key = (c.prompt_index, c.sample_index)
                 if key not in self.ended:  # a re-run after a failure ends as the first run did: told once
                     self.ended[key] = c
                     fresh.append(c)
-        self._requeue([x for w in failed for x in self._drop(w)])
-        return fresh, any(self.busy[w] for w in self.at)
+        self._requeue([k for w in failed for k in self._drop(w)])
+        if self.cluster.cfg.migrate:
+            self.migrate()
+        return fresh, any(self.busy.values())
+
+    def migrate(self) -> None:
+        """Idle workers take trajectories from loaded ones (tool_moves.plan): exported from the donor's run with their
+        tokens so far, carried into the receiver's (re-prefilled), and from now on restarted from that state."""
+        c = self.cluster.cfg
+        lens = [drawn(x) for x in self.ended.values()]
+        moves = plan(self.movable, {w: len(v) for w, v in self.running.items()}, self.cluster.live(),
+                     sum(lens) / len(lens) if lens else 0.0, self.cluster.cost, c.migrate_min_running,
+                     c.migrate_margin)
+        for mv in moves:
+            ok, failed = self.cluster.call_each("run_held", {mv.donor: (worker_give, self.rid, mv.keys)})
+            if failed:
+                self._requeue(self._drop(mv.donor))
+                continue
+            states = ok[mv.donor]
+            moved = {(st.prompt_index, st.sample_index) for st in states}
+            self.start.update(((st.prompt_index, st.sample_index), st) for st in states)
+            self.running[mv.donor] = [x for x in self.running[mv.donor] if (x[0], x[1]) not in moved]
+            self.movable[mv.receiver] = self.movable.get(mv.receiver, []) + [
+                x for x in self.movable[mv.donor] if (x[0], x[1]) in moved]
+            self.movable[mv.donor] = [x for x in self.movable[mv.donor] if (x[0], x[1]) not in moved]
+            self.counts["cluster/migrated"] += len(states)
+            self.counts["cluster/reprefill_tokens"] += sum(len(st.prompt_ids) + len(st.output_ids) for st in states)
+            self._send({mv.receiver: ([], states)})
 
     def clocks(self) -> list[tuple[int, int, int]]:
-        return [x for w in self.at for x in self.running[w]]
+        return [x for w in self.running for x in self.running[w]]
 
     def end(self, limit) -> tuple[list, list, list, list]:
         """Every worker's run ends (limit: the horizon's, None when it never said stop): (finished completions,
         carried states, lost keys, the workers' (completions, metrics, stats) to merge)."""
-        args = {w: (worker_end, self.rid, None if limit is None else
-                    {k: limit(k) for x in ls for k in self.work[x].keys()}) for w, ls in self.at.items()}
+        at: dict[int, list] = {}
+        for k, w in self.where.items():
+            at.setdefault(w, []).append(k)
+        args = {w: (worker_end, self.rid, None if limit is None else {k: limit(k) for k in ks}) for w, ks in at.items()}
         ok, failed = self.cluster.call_each("run_held", args)
         fin, left, lost, parts = [], [], [], []
         for w, (comps, states, metrics, stats) in ok.items():
@@ -181,7 +237,7 @@ class ToolPartial:
             parts.append((comps, metrics, stats))
         for w in failed:
             self.counts["cluster/worker_failures"] += 1
-            for key in (k for x in self.at[w] for k in self.work[x].keys()):
+            for key in at[w]:
                 c = self.ended.get(key)
                 if c is not None and (limit is None or drawn(c) <= limit(key)):
                     fin.append(c)  # it ended within the horizon: final, whatever happens to its worker
@@ -189,38 +245,55 @@ class ToolPartial:
                     lost.append(key)
         return fin, left, lost, parts
 
-    def _drop(self, w: int) -> list[int]:
-        """A failed worker's groups (the pool holds it dead until the next rollout's revive)."""
+    def _drop(self, w: int) -> list[tuple[int, int]]:
+        """A failed worker's trajectories (the pool holds it dead until the next rollout's revive)."""
         self.counts["cluster/worker_failures"] += 1
-        self.running.pop(w, None)
-        self.busy.pop(w, None)
-        return self.at.pop(w, [])
+        for d in (self.running, self.busy, self.movable):
+            d.pop(w, None)
+        keys = [k for k, v in self.where.items() if v == w]
+        for k in keys:
+            del self.where[k]
+        return keys
 
-    def _requeue(self, labels: list[int]) -> None:
-        if labels:
-            self.counts["cluster/requeued"] += sum(self._size(x) for x in labels)
-            self.place(labels)
+    def _requeue(self, keys: list[tuple[int, int]]) -> None:
+        """Trajectories of a failed worker re-run on the live ones from where this rollout took them up (or was
+        last moved with them), each group's together; a re-run draws the very same tokens."""
+        if not keys:
+            return
+        self.counts["cluster/requeued"] += len(keys)
+        by: dict[int, tuple[list, list]] = {}
+        for label in sorted({k[0] for k in keys}):
+            sts = [self.start[k] for k in sorted(keys) if k[0] == label]
+            w = min(self.cluster.live(), key=lambda v: (self._load(v) + self._count(by.get(v)), v))
+            by.setdefault(w, ([], []))[1].extend(sts)
+        self._send(by)
 
     def _load(self, w: int) -> int:
-        return sum(self._size(x) for x in self.at.get(w, []))
+        return sum(1 for v in self.where.values() if v == w)
 
-    def _size(self, label: int) -> int:
-        return len(self.work[label].keys())
+    @staticmethod
+    def _count(share: tuple[list, list] | None) -> int:
+        return 0 if share is None else sum(q.params.n for q in share[0]) + len(share[1])
+
+    @staticmethod
+    def _keys(share: tuple[list, list]) -> list[tuple[int, int]]:
+        reqs, sts = share
+        return [(q.label, j) for q in reqs for j in range(q.params.n)] + [(st.prompt_index, st.sample_index) for st in sts]
 
 
 def cluster_tool_partial(cluster, cfg: AgentConfig, requests: list[Request], states: list, messages: dict,
                          done) -> tuple[Completions, list, list, dict]:
-    """A partial rollout with tools on the cluster's workers: `states` (carried trajectories) continue, `requests`
-    (labelled by group) start, and rounds run until done(finished, running) says stop (a Horizon: done.limit cuts);
-    messages[label]: each group's chat prompt. Returns (the trajectories that ended within the horizon, in (label,
-    sample) order with merged stats; the rest carried, cut at the horizon; the keys lost with a worker that failed
-    handing them back; agent and cluster metrics)."""
-    tp = ToolPartial(cluster, cfg, shares(requests, states, messages))
-    tp.place(list(tp.work))
+    """A rollout with tools on the cluster's workers, in rounds: `states` (carried trajectories) continue, `requests`
+    (labelled by group) start, and rounds run until done(finished, running) says stop (a Horizon: done.limit cuts;
+    None: every trajectory runs to its end, rollout.partial off); messages[label]: each group's chat prompt. Returns
+    (the trajectories that ended within the horizon, in (label, sample) order with merged stats; the rest carried,
+    cut at the horizon; the keys lost with a worker that failed handing them back; agent and cluster metrics)."""
+    tp = ToolPartial(cluster, cfg, requests, states, messages)
+    tp.place_all()
     stopped = False
     while True:
         fresh, more = tp.round(cluster.cfg.round_s, cluster.cfg.round_steps or None)
-        if done(fresh, tp.clocks):
+        if done is not None and done(fresh, tp.clocks):
             stopped = True
             break
         if not more:
@@ -230,3 +303,15 @@ def cluster_tool_partial(cluster, cfg: AgentConfig, requests: list[Request], sta
     metrics, out.stats = merge_parts(parts)
     metrics.update(tp.counts)
     return out, sorted(left, key=lambda st: (st.prompt_index, st.sample_index)), lost, metrics
+
+
+def cluster_tool_rollout(cluster, cfg: AgentConfig, requests: list[Request]) -> tuple[Completions, dict]:
+    """Every request's trajectories to their end on the cluster's workers, in rounds (so idle workers take
+    trajectories from loaded ones): (completions in (prompt, sample) order with merged stats, agent and cluster
+    metrics). A trajectory lost with a worker that failed handing it back is a RuntimeError naming it."""
+    labelled = [q if q.label is not None else dataclasses.replace(q, label=i) for i, q in enumerate(requests)]
+    comps, left, lost, metrics = cluster_tool_partial(cluster, cfg, labelled, [], {}, None)
+    if lost or left:
+        raise RuntimeError(f"rollout workers failed handing back trajectories {sorted(lost)[:8]}: the step's "
+                           "samples are incomplete")
+    return comps, metrics

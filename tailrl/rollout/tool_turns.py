@@ -123,6 +123,32 @@ class ToolTurns:
         return ([(tr.prompt_index, tr.sample_index, tr.drawn + lens.get(sid, 0)) for sid, (tr, _) in self.owner.items()]
                 + [(tr.prompt_index, tr.sample_index, tr.drawn) for tr, _, _ in self.pending.values()])
 
+    def movable(self, lens: dict[int, int]) -> list[tuple[int, int, int, int, int]]:
+        """(label, sample, context, current turn's tokens, drawn tokens) of every trajectory whose turn is in the
+        engine (one waiting on its call is not: the call runs here): what a driver may move (`hand_over`)."""
+        return [(tr.prompt_index, tr.sample_index, len(tr.prompt_ids) + len(tr.ids), lens[sid], tr.drawn + lens[sid])
+                for sid, (tr, _) in self.owner.items() if sid in lens]
+
+    def hand_over(self, engine, keys: list[tuple[int, int]]) -> list:
+        """These trajectories (label, sample) leave this run mid-rollout, for another worker's (the driver's
+        reallocation, remote_partial.py): each comes out of the engine with its current turn's tokens so far, as the
+        carried state a stop would give (tool_partial.carried, never cut), so the importer re-prefills it and draws
+        on from the next position with the turn's seed: the very tokens it would have drawn here. Any that is not in
+        the engine now (its call running, or it ended) stays."""
+        want, lens = set(keys), {s: 0 for s in engine.unfinished_ids()}
+        sids = [sid for sid, (tr, _) in self.owner.items()
+                if sid in lens and (tr.prompt_index, tr.sample_index) in want]
+        out = []
+        for sid, st in zip(sids, engine.export(sids)):
+            tr, p = self.owner.pop(sid)
+            i = next(i for i, x in enumerate(self.trajs) if x is tr)
+            origin = self.origins.pop(i)
+            del self.trajs[i]
+            if self.cfg.keep_kv and p.resume is not None:  # the K/V this turn continued from stays here: freed
+                engine.drop_kept([p.resume])
+            out.append(carried(origin, tr, st.output_ids, st.logprobs))
+        return out
+
     def stop(self, engine) -> None:
         """The rollout stops early: the calls still running answer first and their observations go in (a call runs
         once, in the rollout that drew it), then every turn left in the engine comes out with its tokens so far."""
@@ -169,10 +195,11 @@ class ToolTurns:
                     engine.drop_kept([p.resume])
         return ended
 
-    def wait(self, lock_step: bool) -> None:
-        """Nothing left to decode: block on the pool (the first answer, or all of them with lock_step)."""
+    def wait(self, lock_step: bool, timeout: float | None = None) -> None:
+        """Nothing left to decode: block on the pool (the first answer, or all of them with lock_step), at most
+        `timeout` seconds (a worker's round ends on time while its tools run on)."""
         if self.pending:
-            wait(list(self.pending), return_when=ALL_COMPLETED if lock_step else FIRST_COMPLETED)
+            wait(list(self.pending), timeout, ALL_COMPLETED if lock_step else FIRST_COMPLETED)
 
     def end_turn(self, engine, c: Completion) -> Completion | None:
         """A turn finished: its calls go to the pool, or its trajectory ends (and its kept K/V is dropped); returns

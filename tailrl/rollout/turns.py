@@ -125,7 +125,7 @@ class TurnLoop:
                     break
             if not engine.has_work():
                 if tt is not None:
-                    tt.wait(lock_step)
+                    tt.wait(lock_step, None if seconds is None else max(seconds - (time.perf_counter() - t), 0.0))
                 continue
             out = engine.step()
             n += 1

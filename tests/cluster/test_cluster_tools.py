@@ -2,7 +2,8 @@
 its trajectories carried mid-turn or after a call's observation, then one that ends them) on two workers give, on
 the batch-invariant engine, the very buffer one engine in process gives (tokens, mask, logprobs, calls, versions),
 also when a worker fails holding carried trajectories (they re-run from their carried state) or after the
-horizon was told of its trajectories' ends (told once)."""
+horizon was told of its trajectories' ends (told once); trajectories moved to an idle worker mid-rollout end as
+they would have where they were."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tailrl.cluster.config import ClusterConfig
+from tailrl.cluster.cost import StepCost
 from tailrl.cluster.rollout import ClusterRollout
 from tailrl.cluster.workers import WorkerSpec
 from tailrl.config.agent import AgentConfig
@@ -19,8 +21,9 @@ from tailrl.model import load_model
 from tailrl.model.tiny import TOOL_WORDS, make_tiny_chat_model
 from tailrl.rollout.base import requests_of
 from tailrl.rollout.partial import Horizon, PartialBuffer
-from tailrl.rollout.remote_partial import cluster_tool_partial, worker_round, worker_start
+from tailrl.rollout.remote_partial import cluster_tool_partial, cluster_tool_rollout, worker_round, worker_start
 from tailrl.rollout.tool_partial import TrajState
+from tailrl.rollout.tool_turns import ToolTurns
 from tailrl.rollout.turns import TurnLoop, seq_lens
 from tailrl.speculative.config import SpecConfig
 
@@ -166,3 +169,55 @@ def test_two_workers_carry_and_end_the_trajectories_one_engine_does_through_a_wo
     versions = [v for g in buf.groups for r in g.responses for v in r.versions]
     assert 0 in versions and 1 in versions  # tokens of both rollouts, each tagged with its own
     assert sum(len(_calls(r.comp)) for g in buf.groups for r in g.responses) > 0
+
+
+@pytest.mark.slow  # an engine in process and two workers' engines, one tool rollout each: ~2 s
+def test_trajectories_moved_to_an_idle_worker_mid_rollout_end_as_they_would_have_where_they_were(tmp_path):
+    """rollout.partial off: the rounds run every trajectory to its end (cluster_tool_rollout). Group 1 is short, so
+    its worker idles while the other still runs two groups and takes trajectories from it, mid-turn and after a
+    call's observation; each ends as the unmoved run's does."""
+    folder = str(make_tiny_chat_model(tmp_path / "toolchat", seed=3, words=TOOL_WORDS))
+    params = [SamplingParams(n=4, max_tokens=m, temperature=1.0, seed=11 + i) for i, m in enumerate((40, 6, 40))]
+    model, tok = load_model(folder, device="cpu", dtype=torch.float32)
+    loop = TurnLoop(AGENT, tok)
+    prompts = [loop.encode_prompt(m) for m in MSGS]
+    try:
+        one, _, m_one, _ = loop.run(Engine(model, tok, ENGINE), requests_of(prompts, params, MSGS))
+    finally:
+        loop.close()
+    threads = torch.get_num_threads()
+    cheap_prefill = StepCost(prefill_token_s=0.0005)  # (a re-prefill then pays for a trajectory a few tokens long)
+    cluster = ClusterRollout(WorkerSpec(model=folder, engine=ENGINE, dtype="float32"), 2, ClusterConfig(round_steps=2),
+                             cost=cheap_prefill, local=True)
+    moved, real = [], ToolTurns.hand_over
+
+    def hand_over(self, engine, keys):
+        out = real(self, engine, keys)
+        moved.extend(out)
+        return out
+
+    try:
+        ToolTurns.hand_over = hand_over
+        two, m_two = cluster_tool_rollout(cluster, AGENT, requests_of(prompts, params, MSGS))
+        n_moved = len(moved)
+        # again, the receiver failing once it holds moved trajectories: they re-run from the states they moved with
+        seen = _failing(cluster.pool.workers[1], 9)
+        again, m_again = cluster_tool_rollout(cluster, AGENT, requests_of(prompts, params, MSGS))
+    finally:
+        ToolTurns.hand_over = real
+        cluster.shutdown()
+        torch.set_num_threads(threads)
+    assert m_two["cluster/migrated"] == n_moved > 0 and m_two["cluster/worker_failures"] == 0
+    assert any(st.output_ids[st.trajectory["start"]:] for st in moved)  # moved mid-turn
+    assert m_again["cluster/worker_failures"] == 1 and m_again["cluster/migrated"] > 0
+    assert m_again["cluster/requeued"] > params[1].n  # its own group and trajectories it had taken
+    assert seen["rounds"] == 9 and any(st.output_ids for st in seen["states"])  # it failed holding moved ones
+    assert m_one["agent/tool_calls"] > 0
+    for run, m in ((two, m_two), (again, m_again)):
+        assert [(c.prompt_index, c.sample_index) for c in run] == [(c.prompt_index, c.sample_index) for c in one]
+        for a, b in zip(run, one):
+            assert (a.token_ids, a.response_mask, a.finish_reason, a.text) == (
+                b.token_ids, b.response_mask, b.finish_reason, b.text), (a.prompt_index, a.sample_index)
+            assert a.trajectory["conversation"] == b.trajectory["conversation"] and _calls(a) == _calls(b)
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOL
+        assert abs(m["agent/tool_calls"] - m_one["agent/tool_calls"]) < 1e-9
