@@ -1,11 +1,13 @@
-"""The agent's turn loop on Ray rollout workers (rollout.workers > 1): each worker runs the trajectories of the prompts
-placed on it to their end, tools and all, so a trajectory stays on its worker across turns (its history drafts, its
-kept K/V, its engine; on rollout.backend=vllm its actor's prefix cache: VllmActor.run hands the loop the actor's LLM
-behind the engine calls, rollout/vllm/turns.py). The driver splits the prompts, gathers the completions in
-(prompt, sample) order and merges the metrics.
+"""The agent's turn loop on vLLM's Ray actors (rollout.backend=vllm, rollout.workers > 1): each actor runs the
+trajectories of the prompts dealt to it to their end, tools and all, so a trajectory stays on its actor across
+turns (VllmActor.run hands the loop the actor's LLM behind the engine calls, rollout/vllm/turns.py; its prefix
+cache). The driver splits the prompts, gathers the completions in (prompt, sample) order and merges the metrics
+(`merge_parts`, also the rounds driver's: remote_partial.py, which our engine's Ray workers run instead, so that
+idle workers take trajectories mid-rollout).
 
 On the batch-invariant engine a trajectory's tokens depend on its seeds only, so a rollout split across workers
-gives the very trajectories one engine gives (tests/agent/test_agent_cluster.py)."""
+gives the very trajectories one engine gives (tests/agent/test_agent_cluster.py runs this loop on our engine's
+workers)."""
 
 from __future__ import annotations
 
