@@ -47,6 +47,10 @@ class LocalPool(_Pool):
                 self.dead.add(i)
         return ok, failed
 
+    def first(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
+        """The calls that have answered (in process: all of them, each ran when submitted)."""
+        return self.gather(calls, timeout)
+
     def put(self, value):
         return value
 
@@ -98,6 +102,17 @@ class RayPool(_Pool):
                 failed[i] = repr(e)
                 self.kill(i)
         return ok, failed
+
+    def first(self, calls: dict[int, object], timeout: float) -> tuple[dict[int, object], dict[int, str]]:
+        """As gather, but for the calls that have answered once the first one has (the others stay in flight, the
+        caller's to wait for again); none within the timeout: every one failed."""
+        refs = list(calls.values())
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return self.gather(calls, 0.0)
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready = set(ready)
+        return self.gather({i: ref for i, ref in calls.items() if ref in ready}, timeout)
 
     def put(self, value):
         return self.ray.put(value)

@@ -86,6 +86,18 @@ class ClusterRollout:
         calls = {w: self.pool.submit(w, method, *a) for w, a in args.items()}
         return self.pool.gather(calls, self.cfg.step_timeout_s)
 
+    def submit(self, w: int, method: str, *args):
+        """worker.method(*args) on worker w, answered later (`first`, `gather`: a driver that keeps a call in flight
+        on each worker while it reads the others' answers)."""
+        return self.pool.submit(w, method, *args)
+
+    def first(self, calls: dict[int, object]) -> tuple[dict[int, object], dict[int, str]]:
+        """(results, failures) of the calls that have answered once one has; the rest stay in flight."""
+        return self.pool.first(calls, self.cfg.step_timeout_s)
+
+    def gather(self, calls: dict[int, object]) -> tuple[dict[int, object], dict[int, str]]:
+        return self.pool.gather(calls, self.cfg.step_timeout_s)
+
     def live(self) -> list[int]:
         """The workers running now (RuntimeError when none is)."""
         return self._live()

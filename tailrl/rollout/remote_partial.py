@@ -136,6 +136,8 @@ class ToolPartial:
         self.running: dict[int, list] = {}  # worker -> its unfinished trajectories' clocks, as last reported
         self.movable: dict[int, list] = {}  # worker -> the trajectories in its engine (ToolTurns.movable)
         self.busy: dict[int, bool] = {}  # worker -> it has work left
+        self.inflight: dict[int, object] = {}  # worker -> its round in flight
+        self.fresh: list = []  # trajectories ended since the last `round` returned
         self.ended: dict[tuple[int, int], object] = {}  # key -> its Completion, as first reported
         self.counts = {"cluster/worker_failures": 0, "cluster/requeued": 0, "cluster/rounds": 0,
                        "cluster/migrated": 0, "cluster/reprefill_tokens": 0}
@@ -162,6 +164,10 @@ class ToolPartial:
     def _send(self, by: dict[int, tuple[list, list]]) -> None:
         """(requests, states) to each worker's run; a worker that fails taking them: they and all it held go to the
         others."""
+        self._wait(list(by))  # (its report read first: the clocks added below are not overwritten by an older one)
+        gone = [w for w in by if w not in self.cluster.live()]  # (its round failed just now)
+        if gone:
+            self._requeue([k for w in gone for k in self._keys(by.pop(w))])
         args = {w: (worker_start, self.rid, self.cfg, reqs, sts, [self.messages[st.prompt_index] for st in sts])
                 for w, (reqs, sts) in by.items()}
         ok, failed = self.cluster.call_each("run_held", args)
@@ -175,35 +181,59 @@ class ToolPartial:
         self._requeue([k for w in failed for k in self._keys(by[w]) + self._drop(w)])
 
     def round(self, seconds: float, steps: int | None) -> tuple[list, bool]:
-        """One round on every worker with work, then the moves it asks for: (the trajectories newly ended, whether
-        any work is left)."""
-        busy = [w for w in self.busy if self.busy[w]]
-        if not busy:
+        """A round on every worker with work and none in flight; then, once any has answered, the answers so far and
+        the moves they ask for: (the trajectories newly ended, whether any work is left). A worker's next round
+        starts as soon as its last one is read, so no worker waits for another's (on Ray; in process every call
+        has answered by then)."""
+        for w in [w for w, more in self.busy.items() if more and w not in self.inflight]:
+            self.inflight[w] = self.cluster.submit(w, "run_held", worker_round, self.rid, seconds, steps)
+        if not self.inflight:
             return [], False
-        ok, failed = self.cluster.call_each("run_held", {w: (worker_round, self.rid, seconds, steps) for w in busy})
+        self._read(self.cluster.first(self.inflight))
         self.counts["cluster/rounds"] += 1
-        fresh = []
+        if self.cluster.cfg.migrate:
+            self.migrate()
+        fresh, self.fresh = self.fresh, []
+        return fresh, any(self.busy.values()) or bool(self.inflight)
+
+    def _read(self, answers: tuple[dict, dict]) -> None:
+        """Workers' round reports: their clocks, trajectories in the engine and ends (new ones into `fresh`, which
+        the next `round` returns)."""
+        ok, failed = answers
+        for w in [*ok, *failed]:
+            self.inflight.pop(w, None)
         for w, (ended, running, more, movable) in ok.items():
             self.running[w], self.busy[w], self.movable[w] = running, more, movable
             for c in ended:
                 key = (c.prompt_index, c.sample_index)
                 if key not in self.ended:  # a re-run after a failure ends as the first run did: told once
                     self.ended[key] = c
-                    fresh.append(c)
+                    self.fresh.append(c)
         self._requeue([k for w in failed for k in self._drop(w)])
-        if self.cluster.cfg.migrate:
-            self.migrate()
-        return fresh, any(self.busy.values())
+
+    def _wait(self, workers) -> None:
+        """These workers' rounds in flight answer and are read (a call to a worker queues behind its round)."""
+        calls = {w: self.inflight[w] for w in workers if w in self.inflight}
+        if calls:
+            self._read(self.cluster.gather(calls))
 
     def migrate(self) -> None:
-        """Idle workers take trajectories from loaded ones (tool_moves.plan): exported from the donor's run with their
-        tokens so far, carried into the receiver's (re-prefilled), and from now on restarted from that state."""
+        """Less loaded workers take trajectories from loaded ones (tool_moves.plan, on the last reports): the
+        donor's round in flight answers first, then they are exported from its run with
+        their tokens so far (any that left its engine meanwhile stays), carried into the receiver's (re-prefilled),
+        and from now on restarted from that state."""
         c = self.cluster.cfg
         lens = [drawn(x) for x in self.ended.values()]
-        moves = plan(self.movable, {w: len(v) for w, v in self.running.items()}, self.cluster.live(),
+        moves = plan({w: v for w, v in self.movable.items() if w in self.busy},
+                     {w: len(v) for w, v in self.running.items()}, self.cluster.live(),
                      sum(lens) / len(lens) if lens else 0.0, self.cluster.cost, c.migrate_min_running,
                      c.migrate_margin)
         for mv in moves:
+            if mv.donor not in self.busy or mv.receiver not in self.cluster.live():
+                continue  # (failed meanwhile)
+            self._wait([mv.donor])
+            if mv.donor not in self.busy:
+                continue
             ok, failed = self.cluster.call_each("run_held", {mv.donor: (worker_give, self.rid, mv.keys)})
             if failed:
                 self._requeue(self._drop(mv.donor))
@@ -217,7 +247,8 @@ class ToolPartial:
             self.movable[mv.donor] = [x for x in self.movable[mv.donor] if (x[0], x[1]) not in moved]
             self.counts["cluster/migrated"] += len(states)
             self.counts["cluster/reprefill_tokens"] += sum(len(st.prompt_ids) + len(st.output_ids) for st in states)
-            self._send({mv.receiver: ([], states)})
+            if states:
+                self._send({mv.receiver: ([], states)})
 
     def clocks(self) -> list[tuple[int, int, int]]:
         return [x for w in self.running for x in self.running[w]]
@@ -225,6 +256,7 @@ class ToolPartial:
     def end(self, limit) -> tuple[list, list, list, list]:
         """Every worker's run ends (limit: the horizon's, None when it never said stop): (finished completions,
         carried states, lost keys, the workers' (completions, metrics, stats) to merge)."""
+        self._wait(list(self.inflight))
         at: dict[int, list] = {}
         for k, w in self.where.items():
             at.setdefault(w, []).append(k)
@@ -248,7 +280,7 @@ class ToolPartial:
     def _drop(self, w: int) -> list[tuple[int, int]]:
         """A failed worker's trajectories (the pool holds it dead until the next rollout's revive)."""
         self.counts["cluster/worker_failures"] += 1
-        for d in (self.running, self.busy, self.movable):
+        for d in (self.running, self.busy, self.movable, self.inflight):
             d.pop(w, None)
         keys = [k for k, v in self.where.items() if v == w]
         for k in keys:
