@@ -69,7 +69,10 @@ def tailrl_steps(batches, L: int, dtype, invariant: bool, steps: int) -> dict[in
     model, _ = load_model("smollm2-135m", device="cpu", dtype=dtype)
     out = {}
     for B in batches:
-        r = ModelRunner(model, None if B > 64 else 2**30 * 2, B, L + 64, invariant=invariant)
+        c = model.config  # the K/V this batch needs (fp32 at 1,000 tokens x 64 is over 2 GiB), with room to spare
+        need = B * (L + 80) * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim
+        r = ModelRunner(model, None if B > 64 else max(2**31, int(1.2 * need * dtype.itemsize)), B, L + 64,
+                        invariant=invariant)
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(3, 49000, (B, L), generator=g).tolist()
         r.kv.ensure(list(range(B)), L + 8)
