@@ -95,8 +95,9 @@ class ClusterRollout:
         """(results, failures) of the calls that have answered once one has; the rest stay in flight."""
         return self.pool.first(calls, self.cfg.step_timeout_s)
 
-    def gather(self, calls: dict[int, object]) -> tuple[dict[int, object], dict[int, str]]:
-        return self.pool.gather(calls, self.cfg.step_timeout_s)
+    def gather(self, calls: dict[int, object], timeout: float | None = None) -> tuple[dict[int, object], dict[int, str]]:
+        """(results, failures) of these calls, each given `timeout` seconds more (None: cluster.step_timeout_s)."""
+        return self.pool.gather(calls, self.cfg.step_timeout_s if timeout is None else timeout)
 
     def live(self) -> list[int]:
         """The workers running now (RuntimeError when none is)."""

@@ -26,10 +26,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from dataclasses import dataclass
-
-import torch
+import logging
+import time
 
 from ..config.agent import AgentConfig
 from ..engine import Completions
@@ -38,73 +36,10 @@ from .base import Request
 from .partial import drawn
 from .remote import merge_parts
 from .tool_moves import plan
-from .turns import TurnLoop, TurnRun, seq_lens
+from .tool_worker import RUNS, worker_end, worker_give, worker_round, worker_start
 
-_RUNS = itertools.count()  # a rollout's id: a worker's trajectories of another (abandoned) rollout are not its
+log = logging.getLogger(__name__)
 
-
-@dataclass
-class Held:
-    """What a worker keeps between the driver's calls (RolloutWorker.run_held): this rollout's turn loop and run."""
-
-    rid: int
-    loop: TurnLoop
-    run: TurnRun
-
-
-# ---- on a worker (RolloutWorker.run_held: fn(engine, held, *args) -> (held, result)) ------------------------------
-
-def worker_start(engine, held: Held | None, rid: int, cfg: AgentConfig, requests: list[Request], states: list,
-                 messages: list) -> tuple[Held, None]:
-    """These groups' trajectories into this worker's run of rollout `rid` (begun here if it has none): carried states
-    first, then the requests' first turns."""
-    if held is not None and held.rid == rid:
-        held.loop.add(held.run, requests, states, messages)
-        return held, None
-    if held is not None:  # an abandoned rollout's: its sequences leave the engine
-        held.loop.close()
-        engine.export(engine.unfinished_ids())
-    loop = TurnLoop(cfg, engine.tokenizer)
-    return Held(rid, loop, loop.start(engine, requests, states, messages)), None
-
-
-def worker_round(engine, held: Held | None, rid: int, seconds: float, steps: int | None) -> tuple[Held, tuple]:
-    """About `seconds` (or `steps` engine steps) of the run: (the trajectories that ended meanwhile, (label, sample,
-    drawn tokens) of every unfinished one, whether work is left)."""
-    _check(held, rid)
-    ended = held.loop.advance(held.run, steps=steps, seconds=seconds)
-    lens = seq_lens(engine)
-    tt = held.loop.turns
-    return held, (ended, tt.running(lens), held.loop.has_work(held.run), tt.movable(lens))
-
-
-def worker_give(engine, held: Held | None, rid: int, keys: list) -> tuple[Held, list]:
-    """These trajectories leave this worker's run for another's (ToolTurns.hand_over): their carried states."""
-    _check(held, rid)
-    with torch.inference_mode():  # taking a running sequence out moves KV rows of the engine's cache
-        return held, held.loop.turns.hand_over(engine, keys)
-
-
-def worker_end(engine, held: Held | None, rid: int, limits: dict | None) -> tuple[None, tuple]:
-    """The run ends: (the trajectories that ended within the horizon, the rest as carried states cut at limits[(label,
-    sample)] drawn tokens, agent metrics, stats). limits None: the horizon never said stop (every one ran out)."""
-    _check(held, rid)
-    loop, run = held.loop, held.run
-    run.stopped = limits is not None
-    try:
-        out = loop.finish(run, partial=True, limit=limits.__getitem__ if limits is not None else None)
-    finally:
-        loop.close()
-    engine.end_rollout(out.completions.stats)
-    return None, (list(out.completions), out.left, out.metrics, out.completions.stats)
-
-
-def _check(held: Held | None, rid: int) -> None:
-    if held is None or held.rid != rid:
-        raise RuntimeError(f"this worker holds no trajectories of rollout {rid} (restarted?)")
-
-
-# ---- on the driver -------------------------------------------------------------------------------------------------
 
 def start_states(requests: list[Request], states: list) -> dict[tuple[int, int], SeqState]:
     """(label, sample) -> the state each trajectory of this rollout starts from: a carried one's carried state, a
@@ -131,12 +66,13 @@ class ToolPartial:
             q, params=dataclasses.replace(q.params, seed=cluster.rng.randrange(2**62))) for q in requests]
         self.messages = {**messages, **{q.label: q.messages for q in requests}}
         self.start = start_states(requests, states)
-        self.rid = next(_RUNS)
+        self.rid = next(RUNS)
         self.where: dict[tuple[int, int], int] = {}  # key -> the worker whose run holds it (running or ended)
         self.running: dict[int, list] = {}  # worker -> its unfinished trajectories' clocks, as last reported
         self.movable: dict[int, list] = {}  # worker -> the trajectories in its engine (ToolTurns.movable)
         self.busy: dict[int, bool] = {}  # worker -> it has work left
         self.inflight: dict[int, object] = {}  # worker -> its round in flight
+        self.sent: dict[int, float] = {}  # worker -> when its round in flight was sent
         self.fresh: list = []  # trajectories ended since the last `round` returned
         self.ended: dict[tuple[int, int], object] = {}  # key -> its Completion, as first reported
         self.counts = {"cluster/worker_failures": 0, "cluster/requeued": 0, "cluster/rounds": 0,
@@ -171,6 +107,8 @@ class ToolPartial:
         args = {w: (worker_start, self.rid, self.cfg, reqs, sts, [self.messages[st.prompt_index] for st in sts])
                 for w, (reqs, sts) in by.items()}
         ok, failed = self.cluster.call_each("run_held", args)
+        for w, why in failed.items():
+            log.warning("rollout worker %d failed taking trajectories (%s): they go to the others", w, why)
         for w in ok:
             reqs, sts = by[w]
             keys = [(q.label, j) for q in reqs for j in range(q.params.n)] + [
@@ -187,9 +125,14 @@ class ToolPartial:
         has answered by then)."""
         for w in [w for w, more in self.busy.items() if more and w not in self.inflight]:
             self.inflight[w] = self.cluster.submit(w, "run_held", worker_round, self.rid, seconds, steps)
+            self.sent[w] = time.perf_counter()
         if not self.inflight:
             return [], False
         self._read(self.cluster.first(self.inflight))
+        late = [w for w in self.inflight if time.perf_counter() - self.sent[w] > self.cluster.cfg.step_timeout_s]
+        if late:  # a worker that hangs while the others answer: failed as a round's timeout says (the pool kills it)
+            ok, failed = self.cluster.gather({w: self.inflight[w] for w in late}, timeout=0.0)
+            self._read((ok, {w: f"no answer within {self.cluster.cfg.step_timeout_s:.0f} s" for w in failed}))
         self.counts["cluster/rounds"] += 1
         if self.cluster.cfg.migrate:
             self.migrate()
@@ -202,6 +145,8 @@ class ToolPartial:
         ok, failed = answers
         for w in [*ok, *failed]:
             self.inflight.pop(w, None)
+        for w, why in failed.items():
+            log.warning("rollout worker %d failed (%s): re-running its trajectories on the others", w, why)
         for w, (ended, running, more, movable) in ok.items():
             self.running[w], self.busy[w], self.movable[w] = running, more, movable
             for c in ended:
@@ -236,6 +181,8 @@ class ToolPartial:
                 continue
             ok, failed = self.cluster.call_each("run_held", {mv.donor: (worker_give, self.rid, mv.keys)})
             if failed:
+                log.warning("rollout worker %d failed handing trajectories over (%s): re-running its trajectories on "
+                            "the others", mv.donor, failed[mv.donor])
                 self._requeue(self._drop(mv.donor))
                 continue
             states = ok[mv.donor]
@@ -267,7 +214,9 @@ class ToolPartial:
             fin += comps
             left += states
             parts.append((comps, metrics, stats))
-        for w in failed:
+        for w, why in failed.items():
+            log.warning("rollout worker %d failed handing back its trajectories (%s): those the driver saw end are "
+                        "kept, the rest restart", w, why)
             self.counts["cluster/worker_failures"] += 1
             for key in at[w]:
                 c = self.ended.get(key)

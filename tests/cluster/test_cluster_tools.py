@@ -21,7 +21,8 @@ from tailrl.model import load_model
 from tailrl.model.tiny import TOOL_WORDS, make_tiny_chat_model
 from tailrl.rollout.base import requests_of
 from tailrl.rollout.partial import Horizon, PartialBuffer
-from tailrl.rollout.remote_partial import cluster_tool_partial, cluster_tool_rollout, worker_round, worker_start
+from tailrl.rollout.remote_partial import cluster_tool_partial, cluster_tool_rollout
+from tailrl.rollout.tool_worker import worker_round, worker_start
 from tailrl.rollout.tool_partial import TrajState
 from tailrl.rollout.tool_turns import ToolTurns
 from tailrl.rollout.turns import TurnLoop, seq_lens
