@@ -2,7 +2,7 @@
 step, tool_partial.py for a trajectory; rollout.partial off: every trajectory runs to its end). Each worker runs
 the trajectories placed on it through its own turn loop (turns.py); after each round the driver learns which
 trajectories ended, every unfinished one's drawn tokens (a partial rollout's Horizon reads them) and which are in
-each engine, and a worker left with nothing to decode takes trajectories from a loaded one (tool_moves.py: the
+each engine, and a less loaded worker takes trajectories from a loaded one (tool_moves.py: the
 cost rule of the single-turn path's reallocation). Once the horizon says stop every worker stops (the calls in
 flight answer first) and hands back the trajectories that ended within it and the rest carried, cut at it
 (mid-turn or after a call's observation).
@@ -77,12 +77,12 @@ class ToolPartial:
         self.ended: dict[tuple[int, int], object] = {}  # key -> its Completion, as first reported
         self.counts = {"cluster/worker_failures": 0, "cluster/requeued": 0, "cluster/rounds": 0,
                        "cluster/migrated": 0, "cluster/reprefill_tokens": 0}
-        self.first = (requests, states)
+        self.initial = (requests, states)
 
     def place_all(self) -> None:
         """This rollout's groups to the workers (each whole: siblings share a worker's history drafts and prefix),
         each to the live worker holding the fewest trajectories; carried groups first, as the engine admits them."""
-        requests, states = self.first
+        requests, states = self.initial
         groups: dict[int, tuple[list, list]] = {}
         for st in states:
             groups.setdefault(st.prompt_index, ([], []))[1].append(st)
@@ -90,7 +90,6 @@ class ToolPartial:
             groups.setdefault(q.label, ([], []))[0].append(q)
         by: dict[int, tuple[list, list]] = {}
         for label, (reqs, sts) in groups.items():
-            n = sum(q.params.n for q in reqs) + len(sts)
             w = min(self.cluster.live(), key=lambda v: (self._load(v) + self._count(by.get(v)), v))
             mine = by.setdefault(w, ([], []))
             mine[0].extend(reqs)
@@ -110,9 +109,7 @@ class ToolPartial:
         for w, why in failed.items():
             log.warning("rollout worker %d failed taking trajectories (%s): they go to the others", w, why)
         for w in ok:
-            reqs, sts = by[w]
-            keys = [(q.label, j) for q in reqs for j in range(q.params.n)] + [
-                (st.prompt_index, st.sample_index) for st in sts]
+            keys = self._keys(by[w])
             self.where.update((k, w) for k in keys)
             self.running.setdefault(w, []).extend((*k, drawn(self.start[k])) for k in keys)
             self.busy[w] = True

@@ -135,9 +135,9 @@ class ToolTurns:
         carried state a stop would give (tool_partial.carried, never cut), so the importer re-prefills it and draws
         on from the next position with the turn's seed: the very tokens it would have drawn here. Any that is not in
         the engine now (its call running, or it ended) stays."""
-        want, lens = set(keys), {s: 0 for s in engine.unfinished_ids()}
+        want, live = set(keys), set(engine.unfinished_ids())
         sids = [sid for sid, (tr, _) in self.owner.items()
-                if sid in lens and (tr.prompt_index, tr.sample_index) in want]
+                if sid in live and (tr.prompt_index, tr.sample_index) in want]
         out = []
         for sid, st in zip(sids, engine.export(sids)):
             tr, p = self.owner.pop(sid)
