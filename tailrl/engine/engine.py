@@ -20,7 +20,7 @@ from ..model.packed import invalidate_packs
 from ..model.paged_attention import ITEM_TOKENS
 from ..model.step import invariant_in_place
 from ..speculative.backoff import token_classes
-from ..speculative.off_estimate import off_seconds
+from ..speculative.off_estimate import off_seconds, turn_starts
 from ..speculative.speculator import Speculator
 from .config import EngineConfig
 from .passes import decode_pass, prefill_pass
@@ -246,15 +246,18 @@ class Engine:
             self._gc_frozen = False
 
     def _estimate_off(self, stats: GenerateStats | None) -> None:
-        """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, priced by the
-        selector's step-time model (speculative/off_estimate.py), in stats.off_body_s / off_tail_s."""
+        """The SD-off estimate of a rollout that ran to its end here: its sequences' own plain schedule, a tool
+        trajectory's turns one after another, priced by the selector's step-time model (speculative/off_estimate.py),
+        in stats.off_body_s / off_tail_s."""
         col = self._collector
         if (self.speculator is None or stats is None or col is None or col.stats is not stats
                 or any(i not in col.done for i in col.ids)):  # (a partial rollout with tools: later turns are in done)
             return
-        comps = [col.done[i] for i in col.ids]
-        est = off_seconds(self.speculator.selector.plain_step_s, [len(c.prompt_token_ids) for c in comps],
-                          [len(c.token_ids) for c in comps], stats.tail_size)
+        ids = list(col.ids) + [i for i in col.done if i not in set(col.ids)]  # then later turns (tools)
+        comps = [col.done[i] for i in ids]
+        lengths = [len(c.token_ids) for c in comps]
+        est = off_seconds(self.speculator.selector.plain_step_s, [len(c.prompt_token_ids) for c in comps], lengths,
+                          stats.tail_size, turn_starts(ids, lengths, [c.continues for c in comps]))
         if est is not None:
             stats.off_body_s, stats.off_tail_s = est
 

@@ -31,6 +31,7 @@ class Completion:
     # template and tool-observation tokens (None: every token is sampled), and its conversation and tool calls
     response_mask: list[int] | None = None
     trajectory: dict | None = field(default=None, repr=False)
+    continues: int | None = None  # the finished turn this request went on from (its params.resume): a turn's chain
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "hidden_states"}
@@ -102,4 +103,5 @@ class Sequence:
             timing=self.stats.timing(),
             hidden_states=self.hidden_rows(0, self.cache_len) if self.hidden and self.cache_len > 0 else None,
             stats=self.stats.counts(),
+            continues=self.params.resume,
         )

@@ -119,3 +119,29 @@ def test_one_tail_for_the_metrics_the_engine_stats_and_the_spot_lender():
         lender.on_engine_step(r.batch, [])
         lent.append(lender.lent)
     assert lent == [in_tail(b, 8) for b in running_counts(RECORDS)[1:]]
+
+
+def test_the_sd_off_estimate_prices_a_later_turn_after_the_one_it_continues(tiny_lm):
+    """A tool trajectory's next turn is a request that continues a finished one (params.resume): its completion says
+    so (`continues`), and the rollout's SD-off estimate schedules it after that turn (speculative/off_estimate.py).
+    Turns a (6 tokens) then a2 (5), beside b (14), a plain step priced B^2: a and b run steps 1-5 (4 each), a2 and b
+    steps 6-9 (4 each), b alone steps 10-13 (1 each): 40. Every turn from step 0 would read 48; the first requests
+    alone (the estimate before) 28."""
+    model, _ = tiny_lm
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.1, spec=SpecConfig(mode="auto"), seed=0))
+    first = [SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True),
+             SamplingParams(max_tokens=14, temperature=1.0, seed=2, ignore_eos=True)]
+    col = eng.collector(eng.add_requests([[1, 2, 3, 4], [5, 6, 7]], first))
+    a = col.ids[0]
+    while a not in col.done:
+        col.add(eng.step())
+    nxt = SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, resume=a)
+    (a2,) = eng.add_requests([[1, 2, 3, 4] + col.done[a].token_ids + [9, 9]], nxt)
+    while eng.has_work():
+        col.add(eng.step())
+    st = col.result().stats
+    assert col.done[a2].continues == a and col.done[a].continues is None
+    assert [len(col.done[i].token_ids) for i in (a, col.ids[1], a2)] == [6, 14, 5]
+    eng.speculator.selector.plain_step_s = lambda contexts: float(len(contexts)) ** 2
+    eng.end_rollout(st)
+    assert st.off_body_s + st.off_tail_s == 40.0

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from tailrl.speculative.off_estimate import off_seconds
+from tailrl.speculative.off_estimate import off_seconds, turn_starts
 from tailrl.speculative.selector import OFF, PROBE_MAX
 from tailrl.speculative.step_cost import Geometry, StepTime
 from tests.speculative.selector_helpers import (BUDGETS, CALL, EXPENSIVE, ITEM, TAIL_ONLY, TILE, World, make_selector, off_rate,
@@ -294,3 +294,23 @@ def test_a_uniform_pass_is_the_pass_of_its_rows():
         lo, k = int(depth), round((depth - int(depth)) * B)
         want = g.shape(contexts, [lo + 1] * k + [lo] * (B - k)).features()
         assert np.allclose(g.uniform(contexts, depth).features(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tool_trajectorys_turns_follow_one_another_in_the_sd_off_estimate():
+    """Turn a1 (seq 12) continues a0 (seq 10, 4 tokens): in the plain schedule it begins 3 steps in (a0's first token
+    came from its prefill), beside b0 (seq 11, 6 tokens) the whole time; a turn whose predecessor is not in the
+    rollout begins with it. Every step's sequences and contexts, as the model is asked to price them."""
+    assert turn_starts([10, 11, 12, 13, 14], [4, 6, 3, 2, 5], [None, None, 10, 12, 99]) == [0, 0, 3, 5, 0]
+    asked = []
+
+    def plain(contexts):
+        asked.append(list(contexts))
+        return 1.0
+
+    body, tail = off_seconds(plain, [5, 6, 12], [4, 6, 3], tail=1, starts=turn_starts([10, 11, 12], [4, 6, 3],
+                                                                                      [None, None, 10]))
+    assert asked == [[5, 6], [6, 7], [7, 8], [9, 12], [10, 13]]  # a0 at t 1-3, b0 at t 1-5, a1 at t 4-5
+    assert (body, tail) == (5.0, 0.0)
+    asked.clear()
+    off_seconds(plain, [5, 6, 12], [4, 6, 3], tail=1)  # without starts every sequence begins with the rollout
+    assert asked[3:] == [[9], [10]] and len(asked) == 5
