@@ -253,7 +253,8 @@ class Engine:
         if (self.speculator is None or stats is None or col is None or col.stats is not stats
                 or any(i not in col.done for i in col.ids)):  # (a partial rollout with tools: later turns are in done)
             return
-        ids = list(col.ids) + [i for i in col.done if i not in set(col.ids)]  # then later turns (tools)
+        first = set(col.ids)
+        ids = list(col.ids) + [i for i in col.done if i not in first]  # then later turns (tools)
         comps = [col.done[i] for i in ids]
         lengths = [len(c.token_ids) for c in comps]
         est = off_seconds(self.speculator.selector.plain_step_s, [len(c.prompt_token_ids) for c in comps], lengths,
