@@ -57,6 +57,23 @@ class _Probe:
     turn: int = 0  # probes made while speculating (which arm the next one runs: _probe_arm)
 
 
+def critical_factor(factors: list[float], remaining: list[int | None]) -> float:
+    """The acceptance factor of the sequence the rollout waits for (Selector.worth). remaining: tokens left per
+    sequence, predicted from history, None where a sequence has none. Among those predicted to have the most left
+    (at least 0.8 of the most), the least (the rollout waits for the slowest; drafts accepted now and then by each of
+    15 sequences move their mean, not their minimum). Sequences with no prediction (a prompt's first visit) could
+    each be the one the rollout waits for and which runs longest is not known: they count at their mean (at their
+    least, a first visit valued every draft at its worst acceptor's, 0.15 of the mean, and the guard then vetoed
+    the n-gram arm that ran 1.30x of SD off: benchmarks/RESULTS.md section 25)."""
+    known = [(f, r) for f, r in zip(factors, remaining) if r is not None]
+    unknown = [f for f, r in zip(factors, remaining) if r is None]
+    out = sum(unknown) / len(unknown) if unknown else float("inf")
+    if known:
+        top = max(r for _, r in known)
+        out = min(out, min(f for f, r in known if r >= 0.8 * top))
+    return out
+
+
 class Selector:
     margin = 1.03  # a drafter arm must beat plain decoding by this much
     try_cost = 1.15  # a drafter never measured is first tried where its step costs at most this much of a plain one
@@ -98,7 +115,7 @@ class Selector:
         """Predicted seconds of a plain decode step over sequences holding `contexts` keys."""
         return self.time.seconds(self.geometry.uniform(contexts, 0))
 
-    def worth(self, contexts: list[int], factors: list[float] | None = None, remaining: list[int] | None = None,
+    def worth(self, contexts: list[int], factors: list[float] | None = None, remaining: list[int | None] | None = None,
               queued: bool = False) -> float:
         """What an accepted token of these sequences is worth, in the arms' mean acceptance per sequence (1: each
         the plain step's share T / B, what it is worth where every sequence gains alike or finished sequences
@@ -107,11 +124,10 @@ class Selector:
         Where no request waits, a rollout's wall is its steps until the last sequence ends: a token a sequence
         gains early saves the row it would have cost later (m = T(B) - T(B - 1), the marginal row), and only the
         sequences the rollout waits for save whole steps (F = T - B m, the part of a step no row pays for). So
-        a token is worth m, and F more at the acceptance of the critical sequences: those with the most tokens
-        left (remaining: predicted from history or max_tokens), the least of them (the rollout waits for the
-        slowest; drafts accepted now and then by each of 15 sequences move their mean, not their minimum). On a CPU below a call's 32 rows a step costs about the same for 4
-        sequences as for 32: speculation that finished 28 easy sequences early left the 4 hard ones 40 steps of
-        almost the same price and bought nothing (benchmarks/RESULTS.md section 25)."""
+        a token is worth m, and F more at the acceptance of the critical sequences (`critical_factor`). On a CPU
+        below a call's 32 rows a step costs about the same for 4 sequences as for 32: speculation that finished 28
+        easy sequences early left the 4 hard ones 40 steps of almost the same price and bought nothing
+        (benchmarks/RESULTS.md section 25)."""
         B = len(contexts)
         f = factors if factors is not None and len(factors) == B else [1.0] * B
         mean = sum(f) / max(B, 1)
@@ -122,9 +138,7 @@ class Selector:
             return mean
         share = t / B
         m = min(max(t - t1, 0.0), share)
-        top = max(remaining)
-        crit = [fi for fi, r in zip(f, remaining) if r >= 0.8 * top]
-        return (m * sum(f) + (t - B * m) * min(crit)) / (share * B)
+        return (m * sum(f) + (t - B * m) * critical_factor(f, remaining)) / (share * B)
 
     def goodput(self, arm: Arm, contexts: list[int], hardness: float = 1.0) -> float | None:
         """Predicted tokens per second of the arm over these sequences (None: not predictable yet). hardness: how
@@ -183,7 +197,7 @@ class Selector:
     # ---- choosing ---------------------------------------------------------------------------------------------
 
     def choose(self, B: int, contexts: list[int] | None = None, factors: list[float] | None = None,
-               remaining: list[int] | None = None, queued: bool = False) -> Arm:
+               remaining: list[int | None] | None = None, queued: bool = False) -> Arm:
         """The arm for a decode step of B sequences holding `contexts` keys (default: short contexts). factors:
         per sequence, its share of the drafters' acceptance (SeqAccept); remaining, queued: `worth`'s. Arms are
         ranked by goodput at what their tokens are worth to the rollout's end; the decision reports the arm's

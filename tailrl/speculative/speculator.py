@@ -207,11 +207,11 @@ class Speculator:
         self._trees = trees
         return arm, self._trees
 
-    def _remaining(self, s) -> int:
-        """Tokens the sequence has left: predicted from its prompt's earlier responses, else up to max_tokens."""
-        cap = s.max_tokens - len(s.output_ids)
+    def _remaining(self, s) -> int | None:
+        """Tokens the sequence has left, predicted from its prompt's earlier responses (at most to max_tokens);
+        None: its prompt has none (a first visit)."""
         left = self.lengths.remaining(s.prompt_ids, len(s.output_ids))
-        return cap if left is None else min(left, cap)
+        return None if left is None else min(left, s.max_tokens - len(s.output_ids))
 
     def _propose(self, drafter: Drafter, seqs: list, budgets: list[int], depths: list[int]) -> list:
         try:

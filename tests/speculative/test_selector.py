@@ -181,6 +181,27 @@ def test_a_token_the_rollout_does_not_wait_for_is_worth_its_row_not_a_step():
     assert sel.worth(contexts, [1.0] * 16, [50] * 16) == pytest.approx(1.0, rel=0.01)
 
 
+def test_on_a_first_visit_a_token_is_worth_the_mean_acceptance_not_the_worst():
+    """With no length predicted for any sequence (a prompt's first visit) which one the rollout will wait for is not
+    known: a token is worth the sequences' mean acceptance, so the same spread that makes the rollout wait for its
+    non-accepting half where history predicts it (previous test) still speculates here. Fails for a selector that
+    takes every sequence with no prediction as critical (the least of 16 factors: 0.05 of the mean, RESULTS 25)."""
+    from tailrl.speculative.selector import critical_factor
+
+    world = World(stream_s=0.02, row_s=0.0004, seq_s=0.00002, accept=0.7)
+    sel = trained(world)
+    contexts = [200 + 7 * i for i in range(16)]
+    spread = [1.9] * 8 + [0.05] * 8
+    unknown = [None] * 16
+    assert sel.worth(contexts, spread, unknown) == pytest.approx(sum(spread) / 16, rel=0.01)
+    assert sel.choose(16, contexts, spread, unknown) != OFF
+    assert sel.choose(16, contexts, spread, [20] * 8 + [60] * 8) == OFF  # predicted: the rollout waits for 0.05
+    # a mix: the predicted-longest count at their least, those with no prediction at their mean, the lower wins
+    assert critical_factor([1.9, 0.3, 1.0, 0.6], [10, 50, None, None]) == pytest.approx(0.3)
+    assert critical_factor([1.9, 1.2, 0.2, 0.6], [10, 50, None, None]) == pytest.approx(0.4)
+    assert critical_factor([1.9, 1.2, 1.0], [45, 50, 10]) == pytest.approx(1.2)  # 45 >= 0.8 * 50: critical too
+
+
 def test_a_sequences_share_of_acceptance_follows_what_it_accepted():
     """SeqAccept: a sequence whose drafts are always rejected falls below a tenth of the drafters' mean within 30
     verified steps, one that accepts what was expected stays at 1, and with nothing measured it is 1."""
