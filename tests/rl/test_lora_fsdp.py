@@ -218,6 +218,7 @@ def _grad_rank(rank: int, chat: str, folder: str) -> None:
                     "moved": moved,
                     "base_same": all(torch.equal(p, base[n]) for n, p in policy.named_parameters() if ".lora_" not in n)},
                    f"{folder}/out.pt")
+    dist.barrier()  # tear down together: a rank that left while the other still wrote once aborted in gloo (-6)
     dist.destroy_process_group()
 
 
