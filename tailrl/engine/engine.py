@@ -236,11 +236,16 @@ class Engine:
         self.drop_kept(list(self.scheduler.parked))  # kept K/V does not outlive its rollout (weights move)
         self.runner.kv.tables.forget()  # nor does the prefix index
         if self.speculator is not None:
-            stale = self.speculator.end_rollout()
+            # the ledger (speculative/ledger.py) weighs the rollout by its own schedule's estimate only
+            est = stats.speedup_est if stats is not None and stats.off_body_s + stats.off_tail_s else None
+            rest = self.speculator.selector.ledger.metrics()  # of the rollout that ended, before it moves on
+            stale = self.speculator.end_rollout(est)
             if stats is not None:
                 stats.stale = stale
                 stats.gauges = {k: v for d in self.speculator.drafters.values() if hasattr(d, "gauges")
                                 for k, v in d.gauges().items()}
+                if self.speculator.cfg.mode == "auto":
+                    stats.gauges.update(rest)
         if self._gc_frozen:
             gc.unfreeze()
             self._gc_frozen = False

@@ -1,5 +1,5 @@
 """What the selector measures of acceptance: a drafter arm's tokens per sequence-step (`Rate`), and one sequence's
-share of it (`SeqAccept`)."""
+share of it (`SeqAccept`), and the share of the sequence the rollout waits for (`critical_factor`)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,20 @@ class SeqAccept:
         """mean: the drafters' expected accepted tokens per step (the prior's unit)."""
         prior = self.PRIOR_STEPS * max(mean, 0.05)
         return (self.got + prior) / (self.expected + prior)
+
+
+def critical_factor(factors: list[float], remaining: list[int | None]) -> float:
+    """The acceptance factor of the sequence the rollout waits for (Selector.worth). remaining: tokens left per
+    sequence, predicted from history, None where a sequence has none. Among those predicted to have the most left
+    (at least 0.8 of the most), the least (the rollout waits for the slowest; drafts accepted now and then by each of
+    15 sequences move their mean, not their minimum). Sequences with no prediction (a prompt's first visit) could
+    each be the one the rollout waits for and which runs longest is not known: they count at their mean (at their
+    least, a first visit valued every draft at its worst acceptor's, 0.15 of the mean, and the guard then vetoed
+    the n-gram arm that ran 1.30x of SD off: benchmarks/RESULTS.md section 25)."""
+    known = [(f, r) for f, r in zip(factors, remaining) if r is not None]
+    unknown = [f for f, r in zip(factors, remaining) if r is None]
+    out = sum(unknown) / len(unknown) if unknown else float("inf")
+    if known:
+        top = max(r for _, r in known)
+        out = min(out, min(f for f, r in known if r >= 0.8 * top))
+    return out

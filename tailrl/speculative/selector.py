@@ -25,7 +25,9 @@ when the choice flips. So where drafts never pay, speculation costs at most 1 st
 where the prior is wrong either way the measured steps correct T within a few probes (tests/speculative/test_selector.py: a
 fake clock). The same model prices the tail (deep drafts where a pass streams the weights whatever its few rows)
 and the body (draft rows that open a new product call cost a weight stream). `decision` holds why the last step
-chose what it chose (predicted tokens / s of the arm and of OFF): the step records and the metrics carry it."""
+chose what it chose (predicted tokens / s of the arm and of OFF): the step records and the metrics carry it. Over
+whole rollouts the ledger (ledger.py) checks what the steps' prices cannot: a rollout estimated slower than SD off
+makes the next ones decode plainly."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from dataclasses import dataclass
 from .arms import OFF, Arm, Decision
 from .config import SpecConfig
 from .draft_cost import DraftCost
-from .rates import Rate, SeqAccept
+from .ledger import Ledger
+from .rates import Rate, SeqAccept, critical_factor
 from .step_cost import Geometry, Shape, StepTime, batch_bucket
 
 PROBE_MIN, PROBE_MAX = 8, 64  # steps of a bucket between probes of the arm not chosen
@@ -55,23 +58,6 @@ class _Probe:
     interval: int = PROBE_MIN
     since: int = 0  # steps of the bucket since the other side last ran
     turn: int = 0  # probes made while speculating (which arm the next one runs: _probe_arm)
-
-
-def critical_factor(factors: list[float], remaining: list[int | None]) -> float:
-    """The acceptance factor of the sequence the rollout waits for (Selector.worth). remaining: tokens left per
-    sequence, predicted from history, None where a sequence has none. Among those predicted to have the most left
-    (at least 0.8 of the most), the least (the rollout waits for the slowest; drafts accepted now and then by each of
-    15 sequences move their mean, not their minimum). Sequences with no prediction (a prompt's first visit) could
-    each be the one the rollout waits for and which runs longest is not known: they count at their mean (at their
-    least, a first visit valued every draft at its worst acceptor's, 0.15 of the mean, and the guard then vetoed
-    the n-gram arm that ran 1.30x of SD off: benchmarks/RESULTS.md section 25)."""
-    known = [(f, r) for f, r in zip(factors, remaining) if r is not None]
-    unknown = [f for f, r in zip(factors, remaining) if r is None]
-    out = sum(unknown) / len(unknown) if unknown else float("inf")
-    if known:
-        top = max(r for _, r in known)
-        out = min(out, min(f for f, r in known if r >= 0.8 * top))
-    return out
 
 
 class Selector:
@@ -96,6 +82,7 @@ class Selector:
         self.credit: float | None = None  # seconds exploration may still lose (EXPLORE_SHARE); None: no step yet
         self.guard: dict[int, Rate] = {}  # bucket -> measured speedup of its speculative steps (GUARD_STEPS)
         self.decision = Decision()
+        self.ledger = Ledger()  # the rollouts' own SD-off estimates: a rollout that lost makes the next ones plain
         self.rng = random.Random(cfg.seed)
         self._memo: tuple[list[int], dict] | None = None  # (contexts, arm -> step_s) while `choose` runs
 
@@ -201,7 +188,10 @@ class Selector:
         """The arm for a decode step of B sequences holding `contexts` keys (default: short contexts). factors:
         per sequence, its share of the drafters' acceptance (SeqAccept); remaining, queued: `worth`'s. Arms are
         ranked by goodput at what their tokens are worth to the rollout's end; the decision reports the arm's
-        and OFF's plain predicted tokens / s."""
+        and OFF's plain predicted tokens / s. While the ledger rests (ledger.py), OFF, priced at nothing."""
+        if self.ledger.resting and self.cfg.mode == "auto":
+            self.decision = Decision(OFF, far=True)
+            return OFF
         contexts = list(contexts) if contexts is not None else [1] * B
         self._memo = (contexts, {})
         try:
@@ -333,12 +323,13 @@ class Selector:
             if arm.drafter == drafter:
                 self.accept[arm], self.drafted[arm] = Rate(), Rate()
 
-    def end_rollout(self) -> None:
-        """A rollout ended: the next one has other drafts (this epoch's responses are history now) under other
-        weights. What was measured of acceptance counts half, and every bucket probes closely again: at 33-64
-        sequences no shadow draft measures a drafter (speculative/shadow.py SHADOW_MAX_BATCH), so without it a
-        drafter that starts paying in the next epoch was found only by probes 64 steps apart."""
+    def end_rollout(self, speedup: float | None = None) -> None:
+        """A rollout ended (speedup: its SD-off estimate, for the ledger). The next has other drafts (this epoch's
+        responses are history now) under other weights: acceptance measured counts half, and every bucket probes
+        closely again (above SHADOW_MAX_BATCH no shadow measures a drafter: one that starts paying in the next
+        epoch was found only by probes 64 steps apart)."""
         self.time.end_rollout()
+        self.ledger.end_rollout(speedup)
         for rates in (self.accept, self.drafted, self.guard):
             for r in rates.values():
                 r.total *= 0.5

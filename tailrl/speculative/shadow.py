@@ -23,9 +23,9 @@ SHADOW_MAX_BATCH = 32
 def shadow_step(sp, running: list, chosen: str, step_s: float = 0.0) -> None:
     """Measures, for the speculator `sp`, the acceptance of drafters not chosen this step: a few sequences per
     step keep a pending draft path per drafter that is scored against the tokens they emit next; new proposals
-    spend at most SHADOW_SHARE of the steps' seconds (step_s: this step's)."""
+    spend at most SHADOW_SHARE of the steps' seconds (step_s: this step's). None while the ledger rests (ledger.py)."""
     others = [d for name, d in sp.drafters.items() if name != chosen]
-    if not others or not running or len(running) > SHADOW_MAX_BATCH:
+    if not others or not running or len(running) > SHADOW_MAX_BATCH or sp.selector.ledger.resting:
         return
     body = len(running) > SHADOW_BODY
     share = SHADOW_SHARE / 3 if body else SHADOW_SHARE

@@ -129,12 +129,13 @@ class Speculator:
         if depth:
             self.seqs[seq_id] = SeqDraft(depth)
 
-    def end_rollout(self) -> dict[str, float]:
-        """Ends a rollout for every drafter; returns {drafter: 1.0 if its acceptance collapsed in it, else 0.0}."""
+    def end_rollout(self, speedup: float | None = None) -> dict[str, float]:
+        """Ends a rollout for every drafter (speedup: the rollout's SD-off estimate, for the selector's ledger);
+        returns {drafter: 1.0 if its acceptance collapsed in it, else 0.0}."""
         for d in self.drafters.values():
             d.end_rollout()
         self.odds.end_rollout()
-        self.selector.end_rollout()
+        self.selector.end_rollout(speedup)
         return self.watchdog.end_rollout(list(self.drafters))
 
     def watch(self, drafter: str, source: str, accepted: float, drafted: float, running: list) -> None:

@@ -145,3 +145,32 @@ def test_the_sd_off_estimate_prices_a_later_turn_after_the_one_it_continues(tiny
     eng.speculator.selector.plain_step_s = lambda contexts: float(len(contexts)) ** 2
     eng.end_rollout(st)
     assert st.off_body_s + st.off_tail_s == 40.0
+
+
+def test_a_rollout_estimated_slower_than_sd_off_makes_the_next_one_plain(tiny_lm):
+    """The engine gives the selector's ledger each rollout's own SD-off estimate (speculative/ledger.py): priced so
+    that plain decoding would have taken no time, the rollout lost, so the next decodes plainly in every step (its
+    stats say so: spec/rested), the same tokens as SD off, and the one after speculates again."""
+    from tailrl.speculative.ledger import REST_BELOW
+
+    model, _ = tiny_lm
+    eng = Engine(model, None, EngineConfig(kv_cache_gb=0.1, spec=SpecConfig(mode="auto", epsilon=0.0), seed=0))
+    off = Engine(model, None, EngineConfig(kv_cache_gb=0.1, seed=0))
+    prompts = [[1, 2, 3, 4] * 3, [5, 6, 7] * 4]
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True, n=2)
+    sel = eng.speculator.selector
+    col = eng.collector(eng.add_requests(prompts, p))
+    while eng.has_work():
+        col.add(eng.step())
+    st = col.result().stats
+    price = sel.plain_step_s
+    sel.plain_step_s = lambda contexts: 1e-9 * len(contexts)
+    eng.end_rollout(st)
+    sel.plain_step_s = price
+    assert st.speedup_est < REST_BELOW and sel.ledger.resting and sel.ledger.last == st.speedup_est
+    assert st.gauges["spec/rested"] == 0.0 and st.gauges["spec/rest_streak"] == 0.0
+    rested = eng.generate(prompts, p)
+    assert {arm for counts in rested.stats.choices.values() for arm in counts} == {"off"}
+    assert rested.stats.gauges["spec/rested"] == 1.0 and rested.stats.gauges["spec/rest_streak"] == 1.0
+    assert [o.token_ids for o in rested] == [o.token_ids for o in off.generate(prompts, p)]
+    assert not sel.ledger.resting  # one rollout of rest after a first loss
