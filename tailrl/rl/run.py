@@ -69,12 +69,14 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: RunConsole, stop: StopO
             writer.log(0, m)
         view.eval(0, m)
     stale: dict[str, int] = {}  # drafter -> rollouts in which its acceptance collapsed (after a weight sync)
+    rested = 0  # steps whose rollout SD auto decoded plainly: the one before it was estimated slower (ledger.py)
     while trainer.step < cfg.trainer.steps:
         metrics = trainer.train_step()
         for k, v in metrics.items():
             if k.startswith("spec/stale/") and v:
                 name = k.removeprefix("spec/stale/")
                 stale[name] = stale.get(name, 0) + 1
+        rested += metrics.get("spec/rested", 0) > 0
         with stop.critical():
             writer.log(trainer.step, metrics)
             writer.log_samples(trainer.samples)
@@ -89,3 +91,6 @@ def _loop(trainer: Trainer, writer: MetricsWriter, view: RunConsole, stop: StopO
     if stale:  # the normal cost of a moving policy, summed once per run: spec/stale/<drafter> has it per step
         log.info("drafters re-measured after their acceptance fell (weight syncs): %s",
                  ", ".join(f"{d} in {n} of {trainer.step} steps" for d, n in sorted(stale.items())))
+    if rested:
+        log.info("SD auto decoded plainly in %d of %d steps: a rollout before each was estimated slower than SD off "
+                 "(spec/rested, speculative/ledger.py)", rested, trainer.step)
