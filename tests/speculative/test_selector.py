@@ -357,12 +357,12 @@ def test_rollouts_estimated_slower_than_sd_off_rest_the_next_ones_with_a_bounded
 
     tried = []
     for _ in range(40):
-        tried.append(rollout(0.9))
+        tried.append(rollout(0.8))
     assert tried[:8] == [True, False, True, False, False, True, False, False]  # rests of 1, 2, then 4
     assert sum(tried) <= 4 + -(-36 // (REST_MAX + 1))
     assert sel.ledger.rest <= REST_MAX
     while sel.ledger.resting:
-        tried.append(rollout(0.9))
+        tried.append(rollout(0.8))
     assert rollout(1.05) and sel.ledger.streak == 0 and not sel.ledger.resting
-    assert rollout(1.05)  # no loss: no rest
-    assert rollout(0.9) and not rollout(0.9) and rollout(0.9)  # a new streak starts at a rest of 1
+    assert rollout(0.95) and rollout(1.05)  # no loss beyond the estimate's error: no rest
+    assert rollout(0.8) and not rollout(0.8) and rollout(0.8)  # a new streak starts at a rest of 1
